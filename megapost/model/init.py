@@ -1,0 +1,60 @@
+"""Initialisation schemes, drawn from per-module generators so any partition of the model (pipeline
+stages, tensor shards) reproduces the same full weights for the same seed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+EMBEDDING_STREAM = 0
+HEAD_STREAM = 1_000_000  # layer l uses stream l (1-based)
+
+
+def module_generator(seed: int, stream: int) -> torch.Generator:
+    """An independent CPU generator for (seed, stream)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def matrix_std(cfg: ModelConfig, role: str) -> float:
+    """Std of a weight matrix by role: embed, head, qkv, wo, w1, w3, w2."""
+    sublayer = role not in ("embed", "head")
+    if cfg.init_variance == "paper":
+        var = 1.0 / (3 * (cfg.ffn_hidden_size if role == "w2" else cfg.hidden_size))
+    else:
+        var = cfg.init_method_std**2
+        if cfg.scaled_output_init and role in ("wo", "w2"):
+            var /= 2.0 * cfg.num_layers
+    if sublayer:
+        var *= cfg.sublayer_init_multiplier
+    return math.sqrt(var)
+
+
+@torch.no_grad()
+def normal_(weight: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``weight`` (full, unsharded) from N(0, std^2) drawn on CPU in fp32 for reproducibility."""
+    weight.copy_(torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+@torch.no_grad()
+def init_block_(block: nn.Module, cfg: ModelConfig, seed: int, layer_number: int) -> None:
+    gen = module_generator(seed, layer_number)
+    attn, mlp = block.attention, block.mlp
+    for role, lin in (("qkv", attn.wq), ("qkv", attn.wk), ("qkv", attn.wv), ("wo", attn.wo),
+                      ("w1", mlp.w1), ("w3", mlp.w3), ("w2", mlp.w2)):
+        normal_(lin.weight, matrix_std(cfg, role), gen)
+    block.attention_norm.weight.fill_(1.0)
+    block.mlp_norm.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def init_embedding_(weight: torch.Tensor, cfg: ModelConfig, seed: int) -> None:
+    normal_(weight, matrix_std(cfg, "embed"), module_generator(seed, EMBEDDING_STREAM))
+
+
+@torch.no_grad()
+def init_head_(weight: torch.Tensor, cfg: ModelConfig, seed: int) -> None:
+    normal_(weight, matrix_std(cfg, "head"), module_generator(seed, HEAD_STREAM))

@@ -1,0 +1,68 @@
+"""The Llama decoder as three composable stages: embedding, transformer blocks, head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .block import TransformerBlock
+from .config import ModelConfig
+from .init import init_block_, init_embedding_, init_head_
+from .norm import RMSNorm
+from .probe import Probe
+
+
+class Embedding(nn.Module):
+    """Token embedding; its output is X_1^1."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.probe = Probe(("embed",))
+        init_embedding_(self.word_embeddings.weight, cfg, cfg.seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)
+        self.probe(x=x)
+        return x
+
+
+class Head(nn.Module):
+    """Final RMSNorm (Pre-Norm only; Post-Norm's last block already ends in one) and untied LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.norm_position == "pre" else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.probe = Probe(("head",))
+        init_head_(self.lm_head.weight, cfg, cfg.seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        self.probe(x=x)
+        return self.lm_head(x)
+
+
+def build_block(cfg: ModelConfig, layer_number: int) -> TransformerBlock:
+    """A block initialised from its own (seed, layer) stream."""
+    block = TransformerBlock(cfg, layer_number)
+    init_block_(block, cfg, cfg.seed, layer_number)
+    return block
+
+
+class LlamaModel(nn.Module):
+    """tokens [b, s] -> logits [b, s, vocab]. Knows nothing of parallelism, DeepSpeed or metrics."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embedding = Embedding(cfg)
+        self.layers = nn.ModuleList(build_block(cfg, i + 1) for i in range(cfg.num_layers))
+        self.head = Head(cfg)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

