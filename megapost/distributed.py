@@ -1,0 +1,39 @@
+"""Process-group start-up that works under DeepSpeed's launcher, torchrun, or plain ``python``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+
+import deepspeed
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(args: argparse.Namespace) -> torch.device:
+    """Initialise torch.distributed with a bounded timeout; returns this rank's device."""
+    if "RANK" not in os.environ:  # plain `python ...`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                               verbose=False)
+    return device
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,37 @@
+"""Defaults of the example launch scripts: the embedded corpus and a config that trains in minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
+    """The example's flags (embedded data, tiny CPU preset, TensorBoard, collapse metrics) followed
+    by the user's, which win (argparse keeps the last value of a repeated flag)."""
+    from megapost.data.default_corpus import prepare_default_data
+
+    data_dir = Path(os.environ.get("MEGAPOST_DATA_DIR", repo / "data"))
+    user = [a for a in user_argv if not a.startswith("--local_rank")]
+    typed = {a.split("=", 1)[0] for a in user}
+    if "--data-path" in typed and "--tokenizer-model" in typed:
+        data_flags: list[str] = []
+    else:
+        prefix, tokenizer = prepare_default_data(data_dir)  # idempotent, locked across ranks
+        data_flags = ["--data-path", str(prefix), "--tokenizer-model", str(tokenizer)]
+    name = f"{norm}norm"
+    out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))
+    argv = ["--preset", "tiny-cpu", "--norm-position", norm, *data_flags,
+            "--tensorboard-dir", str(out / name / "tensorboard"), "--save", str(out / name / "checkpoints")]
+    if importlib.util.find_spec("collapse_metrics") is not None:
+        argv += ["--plugins", "collapse_metrics", "--collapse-interval", "10"]
+    return argv + user
+
+
+def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:
+    from megapost.pretrain import main
+
+    repo = Path(script).resolve().parent.parent
+    main(example_argv(norm, repo, user_argv))

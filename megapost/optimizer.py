@@ -1,0 +1,20 @@
+"""AdamW with Megatron's weight-decay groups (no decay on 1-D parameters: norm gains)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = torch.cuda.is_available()
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_eps, fused=fused or None)

@@ -1,0 +1,58 @@
+"""Throughput accounting: tokens/s, model TFLOP/s, MFU and memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 2048, reps: int = 5) -> float:
+    """Achieved TFLOP/s of a square matmul on this device (the machine's practical peak)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.matmul(a, b)
+    _sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Max allocated on GPU, else peak RSS of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kb / (2**20 if sys.platform != "darwin" else 2**30)
+
+
+class Throughput:
+    """Interval timer: call ``tick(tokens)`` each step, ``report()`` at each log line."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak_tflops: float) -> None:
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+        self._start = time.perf_counter()
+        self._tokens = 0
+
+    def tick(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def report(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        tokens_per_s = self._tokens / elapsed
+        tflops = tokens_per_s * self.flops_per_token / 1e12 / self.world_size  # per device
+        mfu = tflops / self.peak_tflops if self.peak_tflops > 0 else 0.0
+        self._start, self._tokens = time.perf_counter(), 0
+        return {"tokens_per_sec": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu,
+                "seconds": elapsed}

@@ -1,0 +1,227 @@
+"""The training loop: micro-batches through the DeepSpeed engine, evaluation, logging, checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import checkpointing
+from .monitor import Monitor
+from .parallel.state import ParallelState
+from .plugins import Plugin
+from .throughput import Throughput, memory_gb
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    losses: list[tuple[int, torch.Tensor, float | None, float]] = field(default_factory=list)
+
+
+class PluginBatches:
+    """Iterator wrapper that shows every micro-batch to the plugins measuring this step."""
+
+    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool) -> None:
+        self.it, self.pipeline = it, pipeline
+        self.active: list[Plugin] = []
+        self.step = 0
+
+    def __iter__(self) -> PluginBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        for plugin in self.active:
+            plugin.on_micro_batch(self.step, batch)
+        if self.pipeline:
+            return (batch["tokens"],), (batch["labels"], batch["loss_mask"])
+        return batch
+
+
+class Trainer:
+    """Owns the engine and runs ``args.train_iters`` optimizer steps."""
+
+    def __init__(self, args: argparse.Namespace, engine: Any, loss_fn: Any, pstate: ParallelState,
+                 train_iter_fn: Any, valid_iter_fn: Any, plugins: list[Plugin], monitor: Monitor,
+                 flops_per_token: float, peak_tflops: float, device: torch.device) -> None:
+        self.args, self.engine, self.loss_fn, self.pstate = args, engine, loss_fn, pstate
+        self.pipeline = args.pipeline_model_parallel_size > 1
+        self.train_iter_fn, self.valid_iter_fn = train_iter_fn, valid_iter_fn
+        self.plugins, self.monitor, self.device = plugins, monitor, device
+        self.state = TrainState()
+        self.throughput = Throughput(flops_per_token, pstate.world_size, peak_tflops)
+        self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.batches: PluginBatches | None = None
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.pstate.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.pstate.dp_group)
+            value /= self.pstate.dp_size
+        return value
+
+    def _micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
+        losses = []
+        for _ in range(self.args.grad_accum_steps):
+            batch = next(batches)
+            tokens = batch["tokens"].to(self.device, non_blocking=True)
+            logits = self.engine(tokens)
+            loss = self.loss_fn(logits, batch["labels"].to(self.device), batch["loss_mask"].to(self.device))
+            if backward:
+                self.engine.backward(loss)
+                self.engine.step()
+            losses.append(loss.detach().float())
+        return self._dp_mean(torch.stack(losses).mean())
+
+    def train_step(self, step: int) -> torch.Tensor:
+        active = [p for p in self.plugins if p.wants_step(step)]
+        assert self.batches is not None
+        self.batches.active, self.batches.step = active, step
+        self._active = active
+        for plugin in active:
+            plugin.on_step_begin(step, self.engine.module)
+        if self.pipeline:
+            loss = self.engine.train_batch(data_iter=self.batches).detach().float()
+        else:
+            loss = self._micro_losses(self.batches, backward=True)
+        if active:
+            loss_value = float(loss)
+            for plugin in active:
+                plugin.on_step_end(step, loss_value)
+        self.batches.active = []
+        return loss
+
+    def before_optimizer_step(self) -> None:
+        for plugin in getattr(self, "_active", []):
+            plugin.before_optimizer_step(self.state.iteration + 1, self.engine)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        it = self.valid_iter_fn()
+        if it is None:
+            return math.nan
+        batches = PluginBatches(it, self.pipeline)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.args.eval_iters):
+            if self.pipeline:
+                total += self._dp_mean(self.engine.eval_batch(data_iter=batches).detach().float())
+            else:
+                self.engine.eval()
+                total += self._micro_losses(batches, backward=False)
+                self.engine.train()
+        return float(total) / self.args.eval_iters
+
+    def measure_at_init(self) -> None:
+        """Step 0: a forward-only pass on the first training batch for plugins that want it."""
+        active = [p for p in self.plugins if p.wants_step(0)]
+        if not active:
+            return
+        batches = PluginBatches(self.train_iter_fn(0), self.pipeline)
+        batches.active, batches.step = active, 0
+        for plugin in active:
+            plugin.on_step_begin(0, self.engine.module)
+        with torch.no_grad():
+            if self.pipeline:
+                loss = self.engine.eval_batch(data_iter=batches)
+            else:
+                loss = self._micro_losses(batches, backward=False)
+        for plugin in active:
+            plugin.on_step_end(0, float(loss))
+
+    # ---- logging ----------------------------------------------------------------------------
+    def _log(self, force: bool = False) -> None:
+        st, args = self.state, self.args
+        if not st.losses or not (force or st.iteration % args.log_interval == 0):
+            return
+        values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
+        for (step, _, grad_norm, lr), loss in zip(st.losses, values, strict=True):
+            tokens = step * self.tokens_per_step
+            scalars = {"lm_loss": loss, "lr": lr}
+            if grad_norm is not None:
+                scalars["grad_norm"] = grad_norm
+            self.monitor.scalars("train", scalars, step, tokens)
+        for value in values:
+            if not math.isfinite(value):
+                raise FloatingPointError(
+                    f"training loss is {value} at iteration {st.iteration}; lower --lr, raise "
+                    "--lr-warmup-iters, or check the data (--data-path)"
+                )
+        perf = self.throughput.report()
+        perf["memory_gb"] = memory_gb(self.device)
+        self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
+        _, _, grad_norm, lr = st.losses[-1]
+        gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+        self.monitor.line(
+            f" iteration {st.iteration:6d}/{args.train_iters} | consumed samples {st.consumed_samples} | "
+            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
+            f"tokens/s {perf['tokens_per_sec']:.0f} | TFLOP/s/dev {perf['tflops_per_device']:.3f} | "
+            f"MFU {100 * perf['mfu']:.1f}% | mem {perf['memory_gb']:.2f} GB | "
+            f"ETA {self.monitor.eta(st.iteration, self._start_iteration, args.train_iters)}"
+        )
+        st.losses = []
+
+    def _grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        args, st = self.args, self.state
+        self._start_iteration = st.iteration
+        if st.iteration == 0:
+            self.measure_at_init()
+        self.batches = PluginBatches(self.train_iter_fn(st.consumed_samples), self.pipeline)
+        history: dict[str, Any] = {"train_loss": {}, "valid_loss": {}}
+        while st.iteration < args.train_iters:
+            lr = self.engine.get_lr()[0]
+            loss = self.train_step(st.iteration + 1)
+            st.iteration += 1
+            st.consumed_samples += args.global_batch_size
+            self.throughput.tick(self.tokens_per_step)
+            st.losses.append((st.iteration, loss, self._grad_norm(), lr))
+            history["train_loss"][st.iteration] = loss
+            self._log()
+            if args.eval_interval and st.iteration % args.eval_interval == 0:
+                self._validate(history)
+            if args.save and args.save_interval and st.iteration % args.save_interval == 0:
+                self.save()
+        self._log(force=True)
+        if args.eval_interval and st.iteration % args.eval_interval:
+            self._validate(history)
+        if args.save and (not args.save_interval or st.iteration % args.save_interval):
+            self.save()
+        history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
+        self.monitor.flush()
+        return history
+
+    def _validate(self, history: dict[str, Any]) -> None:
+        loss = self.evaluate()
+        history["valid_loss"][self.state.iteration] = loss
+        tokens = self.state.iteration * self.tokens_per_step
+        self.monitor.scalars("valid", {"lm_loss": loss, "ppl": math.exp(min(loss, 50.0))},
+                             self.state.iteration, tokens)
+        self.monitor.line(f" validation at iteration {self.state.iteration} | lm loss {loss:.4f} | "
+                          f"ppl {math.exp(min(loss, 50.0)):.2f}")
+
+    def save(self) -> None:
+        states = {p.name: p.state_dict() for p in self.plugins}
+        tag = checkpointing.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
+                                 states)
+        self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
+
+    def load(self) -> None:
+        it, consumed, states = checkpointing.load(self.engine, self.args)
+        self.state.iteration, self.state.consumed_samples = it, consumed
+        for plugin in self.plugins:
+            if plugin.name in states:
+                plugin.load_state_dict(states[plugin.name])
+        self.monitor.line(f" resumed from {self.args.load} at iteration {it} ({consumed} samples)")
