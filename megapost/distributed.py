@@ -17,6 +17,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_cpu_shm_op_build() -> None:
+    """DeepSpeed compiles a shared-memory C++ op (~1.5 min on 2 cores) when its comm backend starts on
+    CPU; it serves only inference all-reduce, which training never calls. Skip it unless
+    MEGAPOST_DS_SHM_COMM=1. Nothing else DeepSpeed compiles is used: megapost brings torch's AdamW."""
+    if os.environ.get("MEGAPOST_DS_SHM_COMM") != "1":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Initialise torch.distributed with a bounded timeout; returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
@@ -28,6 +36,7 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        skip_cpu_shm_op_build()
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,

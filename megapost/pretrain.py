@@ -69,7 +69,8 @@ def build_data(args: argparse.Namespace, pstate: Any) -> tuple[Any, Any]:
     data_dir = os.path.dirname(os.path.abspath(args.data_path))
     cache = args.data_cache_dir or os.path.join(data_dir, "index-cache")
     train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, (train_samples, valid_samples, 0), cache)
+        args.data_path, args.split, seq_length=args.seq_length, seed=args.seed,
+        train_valid_test_num_samples=(train_samples, valid_samples, 0), cache_dir=cache)
 
     def train_iter(consumed: int) -> Any:
         return build_data_iterator(train, consumed, args.micro_batch_size, pstate.dp_rank, pstate.dp_size)

@@ -24,6 +24,7 @@ class ParallelState:
     dp_group: Any = None
     sequence_parallel: bool = False
     topology: Any = None  # deepspeed PipeModelDataParallelTopology when built by initialize_parallel
+    grid: Any = None  # deepspeed PipelineParallelGrid that tp/pp/dp_group were taken from
 
     @property
     def is_first_stage(self) -> bool:

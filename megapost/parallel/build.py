@@ -1,0 +1,92 @@
+"""Build this rank's part of the model for a layout: a module and its loss function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from megapost.model import Embedding, Head, ModelConfig, build_block
+
+from .checkpointing import checkpoint_without_probes
+from .cross_entropy import vocab_parallel_lm_loss
+from .layout import validate_layout
+from .parallelize import parallelize_block, parallelize_embedding, parallelize_head
+from .state import ParallelState
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ParallelLlamaModel(nn.Module):
+    """``LlamaModel`` (same submodules and parameter names) sharded over tensor parallelism, built one
+    block at a time so no rank ever holds more than one full block. tokens [b, s] -> logits
+    [b, s, vocab/tp]. With ``checkpoint_activations`` every ``checkpoint_num_layers`` blocks are
+    recomputed in backward (non-reentrant; probes do not fire during the recompute)."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,
+                 checkpoint_num_layers: int = 1) -> None:
+        super().__init__()
+        if checkpoint_num_layers < 1:
+            raise ValueError(f"--checkpoint-num-layers must be >= 1, got {checkpoint_num_layers}")
+        self.config = cfg
+        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_num_layers = checkpoint_num_layers
+        self.embedding = parallelize_embedding(Embedding(cfg), pstate)
+        self.layers = nn.ModuleList(parallelize_block(build_block(cfg, n), pstate)
+                                    for n in range(1, cfg.num_layers + 1))
+        self.head = parallelize_head(Head(cfg), pstate)
+
+    def _run(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[start:stop]:
+            x = layer(x)
+        return x
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        n, k = len(self.layers), self.checkpoint_num_layers
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            for start in range(0, n, k):
+                x = checkpoint_without_probes(self, partial(self._run, start, start + k), x)
+        else:
+            x = self._run(0, n, x)
+        return self.head(x)
+
+
+def make_loss_fn(pstate: ParallelState) -> LossFn:
+    """``loss_fn(logits, labels, loss_mask)`` -> scalar mean CE over the mask, identical on every TP
+    rank; logits may be vocab-sharded over ``pstate.tp_group``."""
+    return partial(vocab_parallel_lm_loss, group=pstate.tp_group if pstate.tp_size > 1 else None)
+
+
+def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,
+                checkpoint_num_layers: int = 1, partition_method: str = "type:TransformerBlockPipe",
+                ) -> tuple[nn.Module, LossFn]:
+    """(model, loss_fn) for this rank. ``cfg.vocab_size`` must already be padded (``padded_vocab_size``).
+
+    pp_size == 1: a ``ParallelLlamaModel``; call ``loss_fn(model(tokens), labels, loss_mask)``.
+    pp_size > 1: a ``megapost.pipeline.LlamaPipeline`` (a DeepSpeed ``PipelineModule`` with ``loss_fn``
+    built in) holding only this stage's layers; train it with ``engine.train_batch(data_iter)``.
+    """
+    validate_layout(cfg, pstate.tp_size, pstate.pp_size, pstate.sequence_parallel, cfg.seq_length,
+                    pstate.world_size)
+    loss_fn = make_loss_fn(pstate)
+    if pstate.pp_size == 1:
+        return ParallelLlamaModel(cfg, pstate, checkpoint_activations, checkpoint_num_layers), loss_fn
+    from megapost.pipeline import LlamaPipeline  # imports deepspeed.pipe
+
+    return LlamaPipeline(cfg, pstate, loss_fn, checkpoint_activations, checkpoint_num_layers,
+                         partition_method), loss_fn
+
+
+def deepspeed_config_overrides(pstate: ParallelState) -> dict[str, Any]:
+    """Entries the DeepSpeed config needs for this layout (merge them into the generated config).
+
+    Under --sequence-parallel the activations sent between stages are already different sequence
+    shards on each TP rank, so DeepSpeed must not partition/re-gather them over the TP group.
+    """
+    if pstate.pp_size > 1 and pstate.sequence_parallel:
+        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    return {}

@@ -1,0 +1,148 @@
+"""Tensor-parallel linear and embedding layers, each built from a full-size initialised module.
+
+A layer keeps only this rank's contiguous shard of the full weight, so initialisation does not depend
+on the layout. Sharded parameters carry the attributes DeepSpeed and Megatron tooling read:
+``tensor_model_parallel`` (DeepSpeed's ``is_model_parallel_parameter``, used to count a shard in the
+gradient norm on every tensor-parallel rank), ``partition_dim`` and ``partition_stride``. Parameter
+names (``weight``, ``bias``) are those of the module replaced, so state dicts keep their keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import collectives as C
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+
+INPUT_MAPPINGS = {
+    "copy": copy_to_tp_region,  # replicated input; all-reduce its gradient
+    "gather_seq": gather_from_sequence_region,  # sequence-parallel input; all-gather it
+    None: lambda x, group: x,  # the caller already mapped the input (shared by several layers)
+}
+
+
+def tp_rank_size(group: Any) -> tuple[int, int]:
+    """(rank, size) in ``group``; (0, 1) without one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def shard(full: torch.Tensor, dim: int, group: Any) -> nn.Parameter:
+    """This rank's contiguous shard of ``full`` along ``dim`` as a new, tagged parameter."""
+    rank, size = tp_rank_size(group)
+    if full.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over {size} TP ranks")
+    param = nn.Parameter(full.detach().chunk(size, dim=dim)[rank].clone(), requires_grad=full.requires_grad)
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+    return param
+
+
+def mark_sequence_parallel(param: nn.Parameter, group: Any) -> None:
+    """A replicated parameter applied to sequence shards: its gradient is a partial sum over the
+    tensor-parallel group, so a gradient hook all-reduces it before it is accumulated (no trainer call
+    needed; correct under gradient accumulation and activation recomputation)."""
+    if getattr(param, "sequence_parallel", False):
+        return
+    param.sequence_parallel = True
+    if group is not None and C.group_size(group) > 1:
+        param.register_hook(lambda grad: C.all_reduce(grad, group))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A split by output rows: this rank computes y[..., shard].
+
+    ``input_mapping``: "copy" (input replicated over TP), "gather_seq" (input sequence-sharded), or
+    None when the caller already applied one mapping shared by several layers. ``gather_output``
+    all-gathers the output shards; otherwise the output stays sharded on the last dimension.
+    """
+
+    def __init__(self, full: nn.Linear, group: Any, input_mapping: str | None = "copy",
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.map_input = INPUT_MAPPINGS[input_mapping]
+        self.gather_output = gather_output
+        self.weight = shard(full.weight, 0, group)
+        self.bias = shard(full.bias, 0, group) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(self.map_input(x, self.group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]})"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A split by input columns: partial products are summed over TP (all-reduce), or
+    under sequence parallelism reduce-scattered into sequence shards. The bias is added once, after
+    the reduction."""
+
+    def __init__(self, full: nn.Linear, group: Any, sequence_parallel: bool = False,
+                 input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.sequence_parallel = sequence_parallel
+        self.input_is_parallel = input_is_parallel
+        self.weight = shard(full.weight, 1, group)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(full.bias.detach().clone())
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        partial = F.linear(x, self.weight)
+        reduce = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_tp_region
+        y = reduce(partial, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split over TP. Ids outside this rank's rows look up
+    zeros; the partial embeddings are all-reduced, or reduce-scattered into sequence shards."""
+
+    def __init__(self, full: nn.Embedding, group: Any, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        if full.padding_idx is not None or full.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings (no padding_idx/max_norm)")
+        self.group = group
+        self.num_embeddings, self.embedding_dim = full.num_embeddings, full.embedding_dim
+        self.sequence_parallel = sequence_parallel
+        self.weight = shard(full.weight, 0, group)
+        rank, _ = tp_rank_size(group)
+        self.vocab_start = rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        reduce = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_tp_region
+        return reduce(x, self.group)
+
+    def extra_repr(self) -> str:
+        rows = f"rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1}"
+        return f"{self.num_embeddings}, {self.embedding_dim} ({rows} here)"

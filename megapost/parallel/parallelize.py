@@ -1,0 +1,85 @@
+"""Turn the plain model's modules into tensor-(and sequence-)parallel ones, in place.
+
+Attention: W_Q, W_K, W_V column-parallel (heads split over TP), W_O row-parallel. SwiGLU: W_1, W_3
+column-parallel, W_2 row-parallel. The input of each sublayer is mapped once, by a forward pre-hook on
+the attention/MLP module, and shared by its column-parallel projections: ``copy_to_tp_region``, or
+under sequence parallelism ``gather_from_sequence_region``, so attention sees the full sequence (RoPE
+and the prefix-averaging intervention need no change). Row-parallel outputs are all-reduced, or
+reduce-scattered back into sequence shards.
+
+Under sequence parallelism the residual stream, the RMSNorms and the probes between sublayers work on
+[b, s/tp, h]; the embedding output is reduce-scattered into those shards and the head all-gathers its
+input. The norm gains then see only this rank's tokens, so their gradients are all-reduced over TP by
+a gradient hook (``mark_sequence_parallel``) before DeepSpeed accumulates them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from megapost.model import Embedding, Head, TransformerBlock
+
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+from .mappings import copy_to_tp_region, gather_from_sequence_region
+from .state import ParallelState
+
+
+def _map_input_once(module: nn.Module, pstate: ParallelState) -> None:
+    """Apply the TP-region entry mapping to ``module``'s first positional input."""
+    enter = gather_from_sequence_region if pstate.sequence_parallel else copy_to_tp_region
+    group = pstate.tp_group
+
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (enter(args[0], group), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+def _column(linear: nn.Module, pstate: ParallelState) -> ColumnParallelLinear:
+    return ColumnParallelLinear(linear, pstate.tp_group, input_mapping=None)
+
+
+def _row(linear: nn.Module, pstate: ParallelState) -> RowParallelLinear:
+    return RowParallelLinear(linear, pstate.tp_group, sequence_parallel=pstate.sequence_parallel)
+
+
+def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> TransformerBlock:
+    """Shard ``block``'s attention and MLP over ``pstate.tp_group``; returns the same block."""
+    if pstate.tp_size == 1:
+        return block
+    attn, mlp = block.attention, block.mlp
+    heads = attn.wq.out_features // attn.head_dim
+    if heads % pstate.tp_size:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by "
+                         f"--tensor-model-parallel-size {pstate.tp_size}")
+    attn.wq, attn.wk, attn.wv = (_column(lin, pstate) for lin in (attn.wq, attn.wk, attn.wv))
+    attn.wo = _row(attn.wo, pstate)
+    mlp.w1, mlp.w3 = _column(mlp.w1, pstate), _column(mlp.w3, pstate)
+    mlp.w2 = _row(mlp.w2, pstate)
+    _map_input_once(attn, pstate)
+    _map_input_once(mlp, pstate)
+    if pstate.sequence_parallel:
+        mark_sequence_parallel(block.attention_norm.weight, pstate.tp_group)
+        mark_sequence_parallel(block.mlp_norm.weight, pstate.tp_group)
+    return block
+
+
+def parallelize_embedding(embedding: Embedding, pstate: ParallelState) -> Embedding:
+    """Split the vocabulary rows over TP; under SP the output is this rank's sequence shard."""
+    if pstate.tp_size > 1:
+        embedding.word_embeddings = VocabParallelEmbedding(
+            embedding.word_embeddings, pstate.tp_group, sequence_parallel=pstate.sequence_parallel)
+    return embedding
+
+
+def parallelize_head(head: Head, pstate: ParallelState) -> Head:
+    """Column-parallel LM head producing vocab-sharded logits [b, s, vocab/tp] (no gather)."""
+    if pstate.tp_size == 1:
+        return head
+    head.lm_head = ColumnParallelLinear(
+        head.lm_head, pstate.tp_group, input_mapping="gather_seq" if pstate.sequence_parallel else "copy")
+    if pstate.sequence_parallel and head.final_norm is not None:
+        mark_sequence_parallel(head.final_norm.weight, pstate.tp_group)
+    return head

@@ -1,0 +1,97 @@
+"""Shared fixtures: a tiny synthetic English corpus, a tokenizer trained on it, and its .bin/.idx.
+
+``tiny_data`` is built once per session through the real path (tokenizer training, then
+preprocessing); other test files reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_SUBJECTS = """the farmer|a young teacher|the old captain|my neighbour|the city council|a small company|the
+river guide|our best engineer|the quiet student|a travelling musician|the hospital director|every
+morning train|the village baker|a careful scientist|the football team|her younger brother|the local
+newspaper|a famous painter|the national museum|the mountain rescue crew""".replace("\n", " ").split("|")
+_VERBS = """built|painted|repaired|discovered|described|carried|ordered|visited|measured|forgot|borrowed|
+announced|delivered|followed|questioned|celebrated|photographed|explained|finished|protected""".replace(
+    "\n", ""
+).split("|")
+_OBJECTS = """a wooden bridge|the broken window|three yellow boxes|an interesting theory|the winter
+harvest|a long letter|seven heavy stones|the evening concert|a secret garden|the northern road|fresh
+bread and cheese|the quarterly report|a silver bicycle|the election results|a strange noise|twelve
+empty bottles|the history exhibition|a beautiful sunrise|the weather forecast|forty kilometres of
+track""".replace("\n", " ").split("|")
+_TAILS = """yesterday|before dinner|after the storm|in the market square|without any help|during the
+holidays|near the harbour|for the first time|with great care|at midnight|despite the rain|on Tuesday
+afternoon|in 1987|by the old church|while everyone watched|under a grey sky""".replace("\n", " ").split("|")
+
+
+def synthetic_documents(num_docs: int, seed: int = 0) -> list[str]:
+    """Deterministic English-looking documents of a few sentences each."""
+    rng = np.random.RandomState(seed)
+    pick = lambda options: options[rng.randint(len(options))].strip()
+    docs = []
+    for _ in range(num_docs):
+        sentences = [
+            f"{pick(_SUBJECTS).capitalize()} {pick(_VERBS)} {pick(_OBJECTS)} {pick(_TAILS)}."
+            for _ in range(rng.randint(2, 7))
+        ]
+        docs.append(" ".join(sentences))
+    return docs
+
+
+def write_jsonl(path: Path, texts: list[str], **extra: str) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text, **extra}) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class TinyData:
+    """Paths and facts of the tiny corpus (also readable as ``tiny_data["prefix"]``)."""
+
+    prefix: str
+    tokenizer_model: str
+    vocab_size: int
+    num_documents: int
+    num_tokens: int
+    texts: tuple[str, ...] = field(repr=False)
+    shards: tuple[str, ...] = field(repr=False)
+
+    def __getitem__(self, key: str) -> object:
+        return getattr(self, key)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
+    from megapost.data import IndexedDataset, SentencePieceTokenizer, preprocess, train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    texts = synthetic_documents(240)
+    shards = [write_jsonl(root / f"tiny.{k}.jsonl", texts[k * 120 : (k + 1) * 120]) for k in range(2)]
+    model = train_tokenizer([str(p) for p in shards], root / "tokenizer", vocab_size=512, byte_fallback=False)
+    stats = preprocess(
+        [str(root / "tiny.*.jsonl")],
+        output_prefix=root / "tiny",
+        tokenizer_model=model,
+        append_eod=True,
+        progress=False,
+        log=None,
+    )
+    prefix = stats.outputs["text"]
+    dataset = IndexedDataset(prefix)
+    return TinyData(
+        prefix=prefix,
+        tokenizer_model=str(model),
+        vocab_size=SentencePieceTokenizer(model).vocab_size,
+        num_documents=len(dataset),
+        num_tokens=dataset.num_tokens,
+        texts=tuple(texts),
+        shards=tuple(str(p) for p in shards),
+    )

@@ -1,0 +1,230 @@
+"""Multi-rank test harness: launch N gloo ranks running a function, and a small DeepSpeed training
+driver that runs one (TP, PP, DP) layout on synthetic data.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), sets the torchrun
+environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on a free port), one OMP thread each,
+``deepspeed.init_distributed("gloo")``, calls ``fn(*args)`` and returns every rank's return value
+(sent back through files with ``torch.save``). A failing rank's traceback is raised in the caller.
+``fn`` must be importable by name (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from megapost.model import ModelConfig, set_listener
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    try:
+        import deepspeed
+        import deepspeed.utils.logging as ds_logging
+
+        ds_logging.logger.setLevel("WARNING")
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=180))
+        result = fn(*args)
+        torch.save({"result": result}, path)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        torch.save({"error": traceback.format_exc()}, path)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="megapost-ranks-") as out:
+        port = free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, out, fn, args), daemon=False)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = Path(out) / f"rank{r}.pt"
+            if not path.exists():
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', timed out' if r in hung else ''})")
+                results.append(None)
+                continue
+            payload = torch.load(path, weights_only=False)
+            if "error" in payload:
+                errors.append(f"rank {r}:\n{payload['error']}")
+            results.append(payload.get("result"))
+        if errors:
+            raise RuntimeError("distributed run failed\n" + "\n".join(errors))
+        return results
+
+
+# ----------------------------------------------------------------------------- training driver
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """4 layers, d=64, 4 heads, ffn 128, vocab 256, seq 32."""
+    base = dict(vocab_size=256, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                seq_length=32, norm_position="post", seed=1234)
+    return ModelConfig(**{**base, **overrides})
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: layout, schedule and model."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    steps: int = 10
+    global_batch: int = 8
+    micro_batch: int = 2
+    zero_stage: int = 1
+    lr: float = 2e-3
+    clip: float = 1.0
+    checkpoint_activations: bool = False
+    probes: bool = False  # attach a counting listener that also hooks dL/dY
+    model: dict[str, Any] = field(default_factory=dict)  # tiny_config overrides
+    return_params: bool = True
+    data_seed: int = 7
+
+
+def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global micro-batch ``index`` of optimizer step ``step``: tokens, next-token labels, and a loss
+    mask with ~15% zeros. Tokens avoid the top 16 ids (as padding rows of a vocab would be unused)."""
+    gen = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 1009 + index)
+    seq = torch.randint(0, cfg.vocab_size - 16, (spec.micro_batch, cfg.seq_length + 1), generator=gen)
+    mask = (torch.rand(spec.micro_batch, cfg.seq_length, generator=gen) > 0.15).float()
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous(), mask
+
+
+class ProbeCounter:
+    """Counts listener calls per probe and backward calls of the dL/dY hooks it registers."""
+
+    def __init__(self) -> None:
+        self.forward: dict[str, int] = defaultdict(int)
+        self.backward: dict[str, int] = defaultdict(int)
+
+    def __call__(self, name: tuple, **tensors: torch.Tensor | None) -> None:
+        key = "/".join(map(str, name))
+        self.forward[key] += 1
+        y = tensors.get("y")
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g, key=key: self.backward.__setitem__(key, self.backward[key] + 1))
+
+
+def deepspeed_config(spec: RunSpec, dp: int) -> dict[str, Any]:
+    return {
+        "train_batch_size": spec.global_batch,
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.global_batch // (spec.micro_batch * dp),
+        "gradient_clipping": spec.clip,
+        "zero_optimization": {"stage": spec.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def train_layout(spec: RunSpec) -> dict[str, Any]:
+    """Run ``spec`` on this rank through the DeepSpeed engine (call on every rank via ``run_ranks``).
+
+    Returns per-step losses (mean over the global batch) and global gradient norms, step times, the
+    probe counts, and on global rank 0 the full-model parameters after the last step.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    from megapost.parallel import (
+        build_model, deepspeed_config_overrides, full_state_dict, initialize_parallel, make_mpu)
+
+    pstate = initialize_parallel(spec.tp, spec.pp, spec.sp)
+    cfg = tiny_config(**spec.model)
+    model, loss_fn = build_model(cfg, pstate, checkpoint_activations=spec.checkpoint_activations)
+    counter = ProbeCounter()
+    if spec.probes:
+        set_listener(model, counter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.1, foreach=False)
+    config = deepspeed_config(spec, pstate.dp_size) | deepspeed_config_overrides(pstate)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                      mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
+    gas = engine.gradient_accumulation_steps()
+    losses, norms, times = [], [], []
+    for step in range(spec.steps):
+        batches = [synthetic_micro_batch(spec, cfg, step, pstate.dp_rank * gas + i) for i in range(gas)]
+        start = time.perf_counter()
+        if pstate.pp_size > 1:
+            loss = float(engine.train_batch(iter([((t,), (lab, m)) for t, lab, m in batches])))
+        else:
+            total = torch.zeros(())
+            for tokens, labels, mask in batches:
+                micro_loss = loss_fn(engine(tokens), labels, mask)
+                engine.backward(micro_loss)
+                engine.step()
+                total += micro_loss.detach()
+            total /= gas
+            if pstate.dp_size > 1:
+                dist.all_reduce(total, group=pstate.dp_group)
+                total /= pstate.dp_size
+            loss = float(total)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    if spec.probes:
+        set_listener(model, None)
+    params = full_state_dict(model, pstate) if spec.return_params else None
+    return {
+        "rank": dist.get_rank(), "tp_rank": pstate.tp_rank, "pp_rank": pstate.pp_rank, "dp_rank": pstate.dp_rank,
+        "losses": losses, "grad_norms": norms, "step_times": times, "gas": gas,
+        "probe_forward": dict(counter.forward), "probe_backward": dict(counter.backward),
+        "params": params if dist.get_rank() == 0 else None,
+        "spec": asdict(spec),
+    }
+
+
+def run_layout(spec: RunSpec, dp: int = 1, timeout: float = 600.0) -> list[dict[str, Any]]:
+    """``train_layout(spec)`` on tp * pp * dp ranks."""
+    return run_ranks(train_layout, spec.tp * spec.pp * dp, spec, timeout=timeout)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise AssertionError(f"parameter names differ: {sorted(a.keys() ^ b.keys())}")
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
