@@ -113,7 +113,8 @@ def test_init_variances(scheme: str) -> None:
         expect = {"wq": 2 * s2, "wo": 2 * s2 / (2 * cfg.num_layers), "w1": 2 * s2, "w3": 2 * s2,
                   "w2": 2 * s2 / (2 * cfg.num_layers), "embed": s2}
     weights = {"wq": blk.attention.wq.weight, "wo": blk.attention.wo.weight, "w1": blk.mlp.w1.weight,
-               "w3": blk.mlp.w3.weight, "w2": blk.mlp.w2.weight, "embed": model.embedding.word_embeddings.weight}
+               "w3": blk.mlp.w3.weight, "w2": blk.mlp.w2.weight,
+               "embed": model.embedding.word_embeddings.weight}
     for name, w in weights.items():
         assert abs(w.var().item() / expect[name] - 1) < 0.05, name
         assert abs(w.mean().item()) < 3 * math.sqrt(expect[name] / w.numel()) + 1e-6
