@@ -149,13 +149,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    for flag, path in (("--tokenizer-model", args.tokenizer_model),):
-        if not path:
-            raise ConfigError(f"{flag} is required (run `python tools/prepare_default_data.py` for the default)")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path}: no such file")
+    if not args.tokenizer_model:
+        raise ConfigError("--tokenizer-model is required (tools/prepare_default_data.py builds the default)")
+    if not os.path.isfile(args.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     if not args.data_path:
-        raise ConfigError("--data-path is required (prefix of a .bin/.idx pair from tools/preprocess_data.py)")
+        raise ConfigError("--data-path is required (a .bin/.idx prefix from tools/preprocess_data.py)")
     for ext in (".bin", ".idx"):
         if not os.path.isfile(args.data_path + ext):
             raise ConfigError(

@@ -25,7 +25,7 @@ def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
     out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))
     argv = ["--preset", "tiny-cpu", "--norm-position", norm, *data_flags,
             "--tensorboard-dir", str(out / name / "tensorboard"), "--save", str(out / name / "checkpoints")]
-    if importlib.util.find_spec("collapse_metrics") is not None:
+    if importlib.util.find_spec("collapse_metrics.plugin") is not None:
         argv += ["--plugins", "collapse_metrics", "--collapse-interval", "10"]
     return argv + user
 

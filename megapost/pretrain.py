@@ -27,7 +27,14 @@ from .ds_config import build_ds_config, reconcile_with_user_config
 from .model import ModelConfig
 from .monitor import Monitor
 from .optimizer import build_optimizer
-from .parallel import build_model, initialize_parallel, make_mpu, padded_vocab_size, validate_layout
+from .parallel import (
+    build_model,
+    deepspeed_config_overrides,
+    initialize_parallel,
+    make_mpu,
+    padded_vocab_size,
+    validate_layout,
+)
 from .plugins import PluginContext, plugin_classes
 from .schedule import WarmupDecaySchedule
 from .throughput import measure_matmul_tflops
@@ -119,6 +126,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     scheduler = WarmupDecaySchedule(optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                     args.lr_decay_iters, args.lr_decay_style)
     ds_config = build_ds_config(args, user_ds)
+    for key, value in deepspeed_config_overrides(pstate).items():
+        ds_config[key] = {**ds_config.get(key, {}), **value}
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=make_mpu(pstate) if args.pipeline_model_parallel_size == 1 else None,

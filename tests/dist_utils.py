@@ -35,9 +35,9 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      DS_ACCELERATOR="cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
     try:
@@ -45,7 +45,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any
         import deepspeed.utils.logging as ds_logging
 
         ds_logging.logger.setLevel("WARNING")
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=180))
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=180))
         result = fn(*args)
         torch.save({"result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -77,7 +78,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for r in range(world_size):
             path = Path(out) / f"rank{r}.pt"
             if not path.exists():
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', timed out' if r in hung else ''})")
+                why = "timed out" if r in hung else f"exit code {procs[r].exitcode}"
+                errors.append(f"rank {r}: no result ({why})")
                 results.append(None)
                 continue
             payload = torch.load(path, weights_only=False)
@@ -117,6 +119,7 @@ class RunSpec:
     model: dict[str, Any] = field(default_factory=dict)  # tiny_config overrides
     return_params: bool = True
     data_seed: int = 7
+    optimizer: str = "adamw"  # or "sgd" (no momentum: parameter differences are lr x gradient differences)
 
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
@@ -167,7 +170,12 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megapost.parallel import (
-        build_model, deepspeed_config_overrides, full_state_dict, initialize_parallel, make_mpu)
+        build_model,
+        deepspeed_config_overrides,
+        full_state_dict,
+        initialize_parallel,
+        make_mpu,
+    )
 
     pstate = initialize_parallel(spec.tp, spec.pp, spec.sp)
     cfg = tiny_config(**spec.model)
@@ -175,8 +183,12 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
     counter = ProbeCounter()
     if spec.probes:
         set_listener(model, counter)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=0.1, foreach=False)
+    params0 = full_state_dict(model, pstate) if spec.return_params else None
+    if spec.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, foreach=False)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                                      weight_decay=0.1, foreach=False)
     config = deepspeed_config(spec, pstate.dp_size) | deepspeed_config_overrides(pstate)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
@@ -207,10 +219,11 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
         set_listener(model, None)
     params = full_state_dict(model, pstate) if spec.return_params else None
     return {
-        "rank": dist.get_rank(), "tp_rank": pstate.tp_rank, "pp_rank": pstate.pp_rank, "dp_rank": pstate.dp_rank,
+        "rank": dist.get_rank(), "coord": (pstate.tp_rank, pstate.pp_rank, pstate.dp_rank),
         "losses": losses, "grad_norms": norms, "step_times": times, "gas": gas,
         "probe_forward": dict(counter.forward), "probe_backward": dict(counter.backward),
         "params": params if dist.get_rank() == 0 else None,
+        "params0": params0 if dist.get_rank() == 0 else None,
         "spec": asdict(spec),
     }
 
@@ -225,6 +238,17 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest elementwise |a - b| over all parameters."""
     if a.keys() != b.keys():
         raise AssertionError(f"parameter names differ: {sorted(a.keys() ^ b.keys())}")
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def relative_update_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                         start: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b - start|| over all parameters: the disagreement of two runs relative to how far
+    training moved the weights (insensitive to the few elements where Adam's update g/(|g|+eps)
+    amplifies last-bit gradient differences because |g| is near eps)."""
+    num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
+    den = sum(float((b[k] - start[k]).double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5

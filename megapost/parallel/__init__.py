@@ -7,12 +7,13 @@ Call order on every rank::
     cfg = ModelConfig(vocab_size=padded_vocab_size(vocab, divisible_by), ...)
     validate_layout(cfg, tp, pp, sequence_parallel, seq_length, world_size)   # build_model does it too
     model, loss_fn = build_model(cfg, pstate, checkpoint_activations, checkpoint_num_layers)
-    ds_config |= deepspeed_config_overrides(pstate)
+    ds_config |= deepspeed_config_overrides(pstate); assert not deepspeed_config_errors(pstate, ds_config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                       mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
 """
 
-from .build import ParallelLlamaModel, build_model, deepspeed_config_overrides, make_loss_fn
+from .build import ParallelLlamaModel, build_model, make_loss_fn
+from .ds_config import deepspeed_config_errors, deepspeed_config_overrides
 from .gather import full_state_dict
 from .layout import layout_errors, padded_vocab_size, validate_layout
 from .mpu import MPU, make_mpu
@@ -20,7 +21,8 @@ from .state import ParallelState, get_parallel_state, set_parallel_state
 from .topology import initialize_parallel
 
 __all__ = [
-    "MPU", "ParallelLlamaModel", "ParallelState", "build_model", "deepspeed_config_overrides",
+    "MPU", "ParallelLlamaModel", "ParallelState", "build_model", "deepspeed_config_errors",
+    "deepspeed_config_overrides",
     "full_state_dict", "get_parallel_state", "initialize_parallel", "layout_errors", "make_loss_fn",
     "make_mpu", "padded_vocab_size", "set_parallel_state", "validate_layout",
 ]

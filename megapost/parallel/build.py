@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -58,7 +57,12 @@ class ParallelLlamaModel(nn.Module):
 def make_loss_fn(pstate: ParallelState) -> LossFn:
     """``loss_fn(logits, labels, loss_mask)`` -> scalar mean CE over the mask, identical on every TP
     rank; logits may be vocab-sharded over ``pstate.tp_group``."""
-    return partial(vocab_parallel_lm_loss, group=pstate.tp_group if pstate.tp_size > 1 else None)
+    group = pstate.tp_group if pstate.tp_size > 1 else None
+
+    def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lm_loss(logits, labels, loss_mask, group)
+
+    return lm_loss
 
 
 def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,
@@ -79,14 +83,3 @@ def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations:
 
     return LlamaPipeline(cfg, pstate, loss_fn, checkpoint_activations, checkpoint_num_layers,
                          partition_method), loss_fn
-
-
-def deepspeed_config_overrides(pstate: ParallelState) -> dict[str, Any]:
-    """Entries the DeepSpeed config needs for this layout (merge them into the generated config).
-
-    Under --sequence-parallel the activations sent between stages are already different sequence
-    shards on each TP rank, so DeepSpeed must not partition/re-gather them over the TP group.
-    """
-    if pstate.pp_size > 1 and pstate.sequence_parallel:
-        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
-    return {}

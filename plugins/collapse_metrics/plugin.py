@@ -1,0 +1,174 @@
+"""``--plugins collapse_metrics``: the Post-Norm collapse measurements (shared/paper/QUANTITIES.md).
+
+On every measured step (``--collapse-interval``; step 0 with ``--collapse-at-init``), from the step's
+own training micro-batches (no extra forward or backward), per selected layer l and sublayer k:
+t_sim of X_k^l, Y_k^l and the normalised output, the residual norm mean_i ||y_i||, the RMS factor
+sqrt(d)/||u_i|| of the norm input (mean/min/max), alpha_k^l = ||dL/dX_k^l||_F / ||dL/dY_k^l||_F
+(squared norms pooled over micro-batches and ranks), c = alpha * mean RMS factor, and the layer's
+parameter-gradient norms before the optimizer step; per step t_sim of the embeddings and of X^H, the
+loss beside the frequency loss of the same labels (aggregated, per-sequence, running), and a
+transition flag (``transition.py``). Nothing is attached on other steps.
+
+Rank roles: probes are listened to where the residual stream is not a replica (every rank under
+sequence parallelism, else tensor-parallel rank 0); labels are counted on tensor-parallel rank 0 of
+the last pipeline stage; the logging rank writes (``writers.py``). Reductions: ``reduce.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import nn
+
+from megapost.model import set_listener
+from megapost.plugins import Plugin, PluginContext
+
+from .frequency import RunningFrequencyLoss
+from .grads import LayerParameters, loss_scale
+from .recorder import Recorder
+from .reduce import reduce_buffer, sum_over_group
+from .table import StatsBuffer, layer_records, parse_layers, site_tsim
+from .transition import TransitionConfig, TransitionDetector
+from .writers import Writers
+
+
+class CollapseMetricsPlugin(Plugin):
+    name = "collapse_metrics"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("collapse metrics (--plugins collapse_metrics)")
+        g.add_argument("--collapse-interval", type=int, default=1, metavar="N",
+                       help="measure every N-th optimizer step")
+        g.add_argument("--collapse-layers", default="", metavar="LIST",
+                       help="layers to measure, 1-based, e.g. '1,2,47-48' (default: all)")
+        g.add_argument("--collapse-at-init", action="store_true",
+                       help="also measure a forward-only pass at step 0 (alpha and grad norms null)")
+        g.add_argument("--collapse-image-interval", type=int, default=100, metavar="N",
+                       help="t_sim heatmap image every N measured steps (0: never)")
+        defaults = TransitionConfig()
+        g.add_argument("--collapse-transition-beta", type=float, default=defaults.beta,
+                       help="EMA decay of the detector's mean/variance per measured step")
+        g.add_argument("--collapse-transition-z", type=float, default=defaults.z_min,
+                       help="z-score both t_sim(X^H) and the loss must reach")
+        g.add_argument("--collapse-transition-min-tsim-rise", type=float, default=defaults.min_tsim_rise,
+                       help="minimum absolute rise of t_sim(X^H) over its EMA")
+        g.add_argument("--collapse-transition-min-loss-rise", type=float, default=defaults.min_loss_rise,
+                       help="minimum rise of the loss over its EMA, relative to the EMA")
+        g.add_argument("--collapse-transition-warmup", type=int, default=defaults.warmup,
+                       help="measured steps before the detector may fire")
+
+    def __init__(self, ctx: PluginContext) -> None:
+        super().__init__(ctx)
+        args, cfg, ps = ctx.args, ctx.model_config, ctx.parallel
+        if args.collapse_interval < 1:
+            raise ValueError(f"--collapse-interval must be >= 1, got {args.collapse_interval}")
+        self.interval, self.at_init = args.collapse_interval, args.collapse_at_init
+        self.layers = parse_layers(args.collapse_layers, cfg.num_layers)
+        self.vocab_size = cfg.vocab_size
+        self.listens = ps.sequence_parallel or ps.tp_rank == 0
+        self.counts_labels = ps.is_last_stage and ps.tp_rank == 0
+        self.detector = TransitionDetector(TransitionConfig(
+            beta=args.collapse_transition_beta, z_min=args.collapse_transition_z,
+            min_tsim_rise=args.collapse_transition_min_tsim_rise,
+            min_loss_rise=args.collapse_transition_min_loss_rise, warmup=args.collapse_transition_warmup))
+        self.running = RunningFrequencyLoss(cfg.vocab_size)
+        self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
+        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, args.collapse_image_interval)
+                        if ps.is_logging_rank else None)
+        self.model: nn.Module | None = None
+        self.buf: StatsBuffer | None = None
+        self.recorder: Recorder | None = None
+        self.params: LayerParameters | None = None
+        self.params_of: nn.Module | None = None
+        self.last: dict[str, Any] = {}  # the latest step's records (for tests and tools)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def on_model_built(self, model: nn.Module) -> None:
+        self.model = model
+
+    def wants_step(self, step: int) -> bool:
+        return self.at_init if step == 0 else step % self.interval == 0
+
+    def on_step_begin(self, step: int, model: nn.Module) -> None:
+        self.model = model
+        device = next(model.parameters()).device
+        if self.buf is None or self.buf.device != device:
+            self.buf = StatsBuffer(self.layers, self.vocab_size, device)
+            self.recorder = Recorder(self.buf, self.ctx.parallel.sequence_parallel)
+        else:
+            self.buf.reset()
+        self.recorder.begin_step()
+        self.step_labels.reset()
+        if self.listens:
+            set_listener(model, self.recorder)
+
+    def on_micro_batch(self, step: int, batch: dict[str, Any]) -> None:
+        if self.counts_labels:
+            self.step_labels.update(batch["labels"], batch.get("loss_mask"))
+
+    def before_optimizer_step(self, step: int, engine: Any) -> None:
+        module = getattr(engine, "module", engine)
+        if self.params is None or self.params_of is not module:
+            self.params, self.params_of = LayerParameters(module, self.buf.row), module
+        ps = self.ctx.parallel
+        self.params.add_squared_norms(self.buf["grad"], ps.tp_rank, ps.dp_rank, loss_scale(engine))
+
+    def on_step_end(self, step: int, loss: float) -> None:
+        set_listener(self.model, None)
+        ps, buf = self.ctx.parallel, self.buf
+        partials = self.recorder.packed_sequence_partials()
+        if partials is not None:
+            summed = sum_over_group(partials, ps.tp_group)
+            if ps.tp_rank == 0:
+                self.recorder.finish_sequence_parallel(summed)
+        labels = self.step_labels
+        host = {"labels": labels.counts, "label_seq": [labels.seq_entropy_sum, labels.num_sequences],
+                "loss": [loss, 1.0] if ps.is_logging_rank else [0.0, 0.0]}
+        for part, value in host.items():
+            buf[part].copy_(torch.as_tensor(value, dtype=torch.float64), non_blocking=True)
+        reduced = buf.unflatten(reduce_buffer(buf))
+        self._finish(step, reduced)
+
+    def _finish(self, step: int, reduced: dict[str, torch.Tensor]) -> None:
+        records = layer_records(reduced, self.layers)
+        step_freq = RunningFrequencyLoss(self.vocab_size)
+        entropy_sum, sequences = reduced["label_seq"].tolist()
+        step_freq.load_state_dict({"vocab_size": self.vocab_size, "counts": reduced["labels"].round().long(),
+                                   "seq_entropy_sum": entropy_sum, "num_sequences": int(round(sequences))})
+        self.running.merge(step_freq)
+        loss_sum, loss_count = reduced["loss"].tolist()
+        loss = loss_sum / loss_count if loss_count else None
+        tsim_head = site_tsim(reduced, "head")
+        event = self.detector.update(step, tsim_head, loss) if step > 0 else None
+        has_labels = step_freq.num_tokens > 0
+        step_record = {
+            "loss": loss,
+            "freq_loss_agg": step_freq.value() if has_labels else None,
+            "freq_loss_seq": step_freq.per_sequence_value() if has_labels else None,
+            "freq_loss_running": self.running.value() if self.running.num_tokens else None,
+            "t_sim_embed": site_tsim(reduced, "embed"), "t_sim_head": tsim_head,
+            "transition": event is not None,
+        }
+        self.last = {"step": step, "layers": records, "step_record": step_record}
+        if self.writers is not None:
+            self.writers.write(step, records, step_record)
+            if event is not None:
+                print(event.line(), flush=True)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"running": self.running.state_dict(), "detector": self.detector.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "running" in state:
+            self.running.load_state_dict(state["running"])
+        if "detector" in state:
+            self.detector.load_state_dict(state["detector"])
+
+    def close(self) -> None:
+        if self.writers is not None:
+            self.writers.close()
+

@@ -1,0 +1,153 @@
+"""Sinks of the logging rank: TensorBoard scalars, a custom-scalars layout, a t_sim heatmap, JSONL.
+
+TensorBoard tags (l zero-padded to two digits, k in {attn, ffn}):
+    collapse/t_sim/L{l}/{k}/{x|y|out}     collapse/rms_factor/L{l}/{k}/{mean|min|max}
+    collapse/resid_norm/L{l}/{k}          collapse/alpha/L{l}/{k}        collapse/c/L{l}/{k}
+    collapse/grad_norm/L{l}  (+ /attn, /ffn, /norms)
+    collapse/t_sim/embed  collapse/t_sim/head  collapse/loss  collapse/freq_loss/{agg|seq|running}
+    collapse/transition (1 on a flagged step)
+Null values (e.g. t_sim/out under Pre-Norm, alpha at step 0) are not written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .table import SUBLAYERS
+
+JSONL_NAME = "collapse_metrics.jsonl"
+LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
+                "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer", "grad_norm_norms")
+STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
+               "transition")
+
+
+def finite(value: Any) -> Any:
+    """JSON-safe: non-finite floats become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def layer_tags(rec: dict[str, Any]) -> dict[str, float | None]:
+    """TensorBoard tag -> value for one (layer, sublayer) record."""
+    base, k = f"L{rec['layer']:02d}", rec["sublayer"]
+    tags = {f"collapse/t_sim/{base}/{k}/{t}": rec[f"t_sim_{t}"] for t in ("x", "y", "out")}
+    tags |= {f"collapse/rms_factor/{base}/{k}/{s}": rec[f"rms_factor_{s}"] for s in ("mean", "min", "max")}
+    tags |= {f"collapse/resid_norm/{base}/{k}": rec["resid_norm"], f"collapse/alpha/{base}/{k}": rec["alpha"],
+             f"collapse/c/{base}/{k}": rec["c"], f"collapse/grad_norm/{base}/{k}": rec["grad_norm"]}
+    if k == SUBLAYERS[0]:
+        tags |= {f"collapse/grad_norm/{base}": rec["grad_norm_layer"],
+                 f"collapse/grad_norm/{base}/norms": rec["grad_norm_norms"]}
+    return tags
+
+
+def step_tags(rec: dict[str, Any]) -> dict[str, float | None]:
+    tags = {f"collapse/freq_loss/{s}": rec[f"freq_loss_{s}"] for s in ("agg", "seq", "running")}
+    return tags | {"collapse/loss": rec["loss"], "collapse/t_sim/embed": rec["t_sim_embed"],
+                   "collapse/t_sim/head": rec["t_sim_head"], "collapse/transition": float(rec["transition"])}
+
+
+def custom_scalars_layout() -> dict[str, dict[str, list[Any]]]:
+    """One multiline chart per quantity, all layers on it (regexes over the tags above)."""
+    per_sub = {}
+    for k in SUBLAYERS:
+        for t in ("x", "y", "out"):
+            per_sub[f"t_sim {k} {t}"] = [rf"^collapse/t_sim/L\d+/{k}/{t}$"]
+        for s in ("mean", "min", "max"):
+            per_sub[f"rms factor {k} {s}"] = [rf"^collapse/rms_factor/L\d+/{k}/{s}$"]
+        for q in ("resid_norm", "alpha", "c", "grad_norm"):
+            per_sub[f"{q} {k}"] = [rf"^collapse/{q}/L\d+/{k}$"]
+    charts = {name: ["Multiline", regexes] for name, regexes in per_sub.items()}
+    charts["grad_norm layer"] = ["Multiline", [r"^collapse/grad_norm/L\d+$"]]
+    charts["grad_norm norms"] = ["Multiline", [r"^collapse/grad_norm/L\d+/norms$"]]
+    charts["loss vs frequency loss"] = ["Multiline", [r"^collapse/loss$", r"^collapse/freq_loss/"]]
+    charts["t_sim embed/head"] = ["Multiline", [r"^collapse/t_sim/(embed|head)$"]]
+    return {"collapse": charts}
+
+
+class TsimHeatmap:
+    """t_sim of each layer's output (last sublayer: normalised output, else Y) against measured step."""
+
+    def __init__(self, layers: tuple[int, ...], max_steps: int = 2000) -> None:
+        self.layers = layers
+        self.steps: deque[int] = deque(maxlen=max_steps)
+        self.columns: deque[np.ndarray] = deque(maxlen=max_steps)
+
+    def add(self, step: int, records: list[dict[str, Any]]) -> None:
+        last = {r["layer"]: r for r in records if r["sublayer"] == SUBLAYERS[-1]}
+        col = [last[n]["t_sim_out"] if last[n]["t_sim_out"] is not None else last[n]["t_sim_y"]
+               for n in self.layers]
+        self.steps.append(step)
+        self.columns.append(np.array([np.nan if v is None else v for v in col], dtype=np.float64))
+
+    def figure(self) -> Any:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        data = np.stack(list(self.columns), axis=1)  # [layers, steps]
+        fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+        im = ax.imshow(data, aspect="auto", origin="lower", vmin=0.0, vmax=1.0, cmap="viridis",
+                       interpolation="nearest")
+        ticks = np.linspace(0, len(self.steps) - 1, num=min(6, len(self.steps))).round().astype(int)
+        ax.set_xticks(ticks, [str(self.steps[i]) for i in ticks])
+        yt = np.linspace(0, len(self.layers) - 1, num=min(8, len(self.layers))).round().astype(int)
+        ax.set_yticks(yt, [str(self.layers[i]) for i in yt])
+        ax.set_xlabel("step")
+        ax.set_ylabel("layer")
+        ax.set_title("t_sim of layer output")
+        fig.colorbar(im, ax=ax, label="t_sim")
+        fig.tight_layout()
+        return fig
+
+
+class Writers:
+    """TensorBoard (``writer`` may be None) and the JSONL file (``directory`` may be None)."""
+
+    def __init__(self, writer: Any, directory: str | None, layers: tuple[int, ...],
+                 image_interval: int) -> None:
+        self.writer = writer
+        self.image_interval = image_interval
+        self.heatmap = TsimHeatmap(layers)
+        self.measured = 0
+        self.layout_written = False
+        self.jsonl = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self.jsonl = open(os.path.join(directory, JSONL_NAME), "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, step: int, layer_records: list[dict[str, Any]], step_record: dict[str, Any]) -> None:
+        self.measured += 1
+        self.heatmap.add(step, layer_records)
+        if self.jsonl is not None:
+            lines = [{"step": step, **rec} for rec in layer_records] + [{"step": step, **step_record}]
+            self.jsonl.write("".join(json.dumps({k: finite(v) for k, v in r.items()}) + "\n" for r in lines))
+            self.jsonl.flush()
+        if self.writer is None:
+            return
+        if not self.layout_written:
+            self.writer.add_custom_scalars(custom_scalars_layout())
+            self.layout_written = True
+        tags = step_tags(step_record)
+        for rec in layer_records:
+            tags |= layer_tags(rec)
+        for tag, value in tags.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        if self.image_interval and self.measured % self.image_interval == 0:
+            self.writer.add_figure("collapse/t_sim_heatmap", self.heatmap.figure(), step, close=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.writer is not None:
+            self.writer.flush()

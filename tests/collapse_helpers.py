@@ -1,0 +1,174 @@
+"""Helpers for the collapse-metrics tests: build the plugin, drive its hooks in the trainer's order, and
+compute every quantity explicitly from a manual forward that replicates the block dataflow."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from collapse_metrics.plugin import CollapseMetricsPlugin
+
+from megapost.model import LlamaModel, ModelConfig, lm_loss
+from megapost.parallel.state import ParallelState
+from megapost.plugins import PluginContext
+
+Batch = dict[str, torch.Tensor]
+
+
+def small_config(norm_position: str = "post", **overrides: Any) -> ModelConfig:
+    base = dict(vocab_size=40, num_layers=3, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                seq_length=12, norm_position=norm_position, init_method_std=0.1, seed=5)
+    return ModelConfig(**{**base, **overrides})
+
+
+def plugin_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    CollapseMetricsPlugin.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def make_plugin(cfg: ModelConfig, *argv: str, pstate: ParallelState | None = None, tb_dir: str | None = None,
+                writer: Any = None) -> CollapseMetricsPlugin:
+    ctx = PluginContext(args=plugin_args(*argv), model_config=cfg, parallel=pstate or ParallelState(),
+                        tensorboard_dir=tb_dir, writer=writer)
+    return CollapseMetricsPlugin(ctx)
+
+
+def random_batches(cfg: ModelConfig, num: int, batch: int = 2, seed: int = 0) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=gen)
+        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(batch, cfg.seq_length)})
+    return out
+
+
+def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, batches: Sequence[Batch],
+             optimizer: torch.optim.Optimizer | None = None,
+             forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             on_grads: Callable[[], None] | None = None) -> float:
+    """One optimizer step with the hooks called as the trainer does (plain torch; the model stands in
+    for the engine: ``before_optimizer_step`` reads its parameters' ``.grad``). With ``optimizer=None``
+    it is a forward-only step (as at step 0). ``on_grads`` runs with the gradients before the step."""
+    forward = forward or model
+    wanted = plugin.wants_step(step)
+    if wanted:
+        plugin.on_step_begin(step, model)
+    losses = []
+    with torch.set_grad_enabled(optimizer is not None):
+        for batch in batches:
+            if wanted:
+                plugin.on_micro_batch(step, batch)
+            loss = lm_loss(forward(batch["tokens"]), batch["labels"], batch["loss_mask"])
+            if optimizer is not None:
+                (loss / len(batches)).backward()
+            losses.append(float(loss.detach()))
+    if optimizer is not None:
+        if wanted:
+            plugin.before_optimizer_step(step, model)
+        if on_grads is not None:
+            on_grads()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    mean = sum(losses) / len(losses)
+    if wanted:
+        plugin.on_step_end(step, mean)
+    return mean
+
+
+# ---- explicit reference ----------------------------------------------------------------------------
+def manual_forward(model: LlamaModel, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[Any, dict]]:
+    """Logits and every intermediate (X_k, Y_k, out, norm input) of the block dataflow, retained."""
+    post = model.config.norm_position == "post"
+    acts: dict[Any, dict] = {}
+    x = model.embedding.word_embeddings(tokens)
+    acts["embed"] = {"x": x}
+    for block in model.layers:
+        for k, (fn, norm) in enumerate(((block.attention, block.attention_norm), (block.mlp, block.mlp_norm))):
+            y = x + fn(x) if post else x + fn(norm(x))
+            out = norm(y) if post else None
+            acts[(block.layer_number, k)] = {"x": x, "y": y, "out": out, "u": y if post else x}
+            x = out if post else y
+    if model.head.final_norm is not None:
+        x = model.head.final_norm(x)
+    acts["head"] = {"x": x}
+    return model.head.lm_head(x), acts
+
+
+def explicit_tsim(x: torch.Tensor) -> torch.Tensor:
+    """||Pi X||_F^2 / ||X||_F^2 per sequence with Pi = 11^T/n as a matrix (float64)."""
+    x = x.detach().double()
+    n = x.shape[1]
+    pi = torch.full((n, n), 1.0 / n, dtype=torch.float64)
+    return torch.stack([(pi @ s).square().sum() / s.square().sum() for s in x])
+
+
+def reference(model: LlamaModel, batches: Sequence[Batch]) -> dict[str, Any]:
+    """Expected metrics of one step on ``batches`` (means over all sequences/tokens, pooled alpha)."""
+    d = model.config.hidden_size
+    acc: dict[Any, dict[str, list]] = {}
+    sq: dict[Any, list[float]] = {}
+    for batch in batches:
+        logits, acts = manual_forward(model, batch["tokens"])
+        loss = lm_loss(logits, batch["labels"], batch["loss_mask"]) / len(batches)
+        keys = [key for key in acts if isinstance(key, tuple)]
+        inputs = [acts[key][t] for key in keys for t in ("x", "y")]
+        needed = [t for t in inputs if t.requires_grad]
+        found = dict(zip(map(id, needed), torch.autograd.grad(loss, needed), strict=True))
+        grads = [found.get(id(t)) for t in inputs]
+        for i, key in enumerate(keys):
+            gx, gy = grads[2 * i], grads[2 * i + 1]
+            s = sq.setdefault(key, [0.0, 0.0])
+            s[0] += float(gx.double().square().sum()) if gx is not None else math.nan
+            s[1] += float(gy.double().square().sum())
+        for key, tensors in acts.items():
+            entry = acc.setdefault(key, {})
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                t = t.detach().double()
+                entry.setdefault(f"t_{name}", []).append(explicit_tsim(t))
+                entry.setdefault(f"norm_{name}", []).append(t.norm(dim=-1).flatten())
+    out: dict[str, Any] = {}
+    for key, entry in acc.items():
+        cat = {name: torch.cat(v) for name, v in entry.items()}
+        if not isinstance(key, tuple):
+            out[key] = float(cat["t_x"].mean())
+            continue
+        rms = math.sqrt(d) / cat["norm_u"]
+        alpha = math.sqrt(sq[key][0] / sq[key][1])
+        out[key] = {
+            "t_sim_x": float(cat["t_x"].mean()), "t_sim_y": float(cat["t_y"].mean()),
+            "t_sim_out": float(cat["t_out"].mean()) if "t_out" in cat else None,
+            "resid_norm": float(cat["norm_y"].mean()), "rms_factor_mean": float(rms.mean()),
+            "rms_factor_min": float(rms.min()), "rms_factor_max": float(rms.max()),
+            "alpha": alpha, "c": alpha * float(rms.mean()),
+        }
+    return out
+
+
+def grad_norms(model: LlamaModel) -> dict[int, dict[str, float]]:
+    """Per-layer ||grad|| of all, attention, FFN and norm parameters from ``.grad`` (call before step)."""
+    out = {}
+    for block in model.layers:
+        groups: dict[str, float] = {"attn": 0.0, "ffn": 0.0, "norms": 0.0}
+        for name, p in block.named_parameters():
+            key = {"attention": "attn", "mlp": "ffn"}.get(name.split(".")[0], "norms")
+            groups[key] += float(p.grad.double().square().sum())
+        out[block.layer_number] = {k: math.sqrt(v) for k, v in groups.items()} | {
+            "layer": math.sqrt(sum(groups.values()))}
+    return out
+
+
+def records_by_key(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["layer"], ("attn", "ffn").index(r["sublayer"])): r for r in records}
+
+
+def assert_close(actual: float | None, expected: float | None, rel: float, what: str) -> None:
+    if expected is None or actual is None:
+        assert actual is expected, f"{what}: {actual} vs {expected}"
+        return
+    assert abs(actual - expected) <= rel * max(abs(expected), 1e-12), f"{what}: {actual} vs {expected}"

@@ -1,0 +1,186 @@
+"""Collapse metrics against brute force on a 3-layer d=32 model (both norm placements), one process."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from collapse_helpers import (
+    assert_close,
+    grad_norms,
+    make_plugin,
+    random_batches,
+    records_by_key,
+    reference,
+    run_step,
+    small_config,
+)
+from collapse_metrics.similarity import tsim
+from collapse_metrics.table import parse_layers
+from torch.utils.checkpoint import checkpoint
+
+from megapost.model import LlamaModel, Probe, set_listener
+from megapost.parallel.checkpointing import checkpoint_without_probes
+
+FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
+          "rms_factor_max", "alpha", "c")
+
+
+def check_against_reference(plugin, ref, grads=None, rel=1e-5, skip=()):
+    records = records_by_key(plugin.last["layers"])
+    for key, expected in ((k, v) for k, v in ref.items() if isinstance(k, tuple)):
+        for field in FIELDS:
+            if field not in skip:
+                assert_close(records[key][field], expected[field], rel, f"{key} {field}")
+    if grads is not None:
+        for (layer, k), rec in records.items():
+            g = grads[layer]
+            assert_close(rec["grad_norm"], g[("attn", "ffn")[k]], rel, f"L{layer} grad {k}")
+            assert_close(rec["grad_norm_layer"], g["layer"], rel, f"L{layer} grad layer")
+            assert_close(rec["grad_norm_norms"], g["norms"], rel, f"L{layer} grad norms")
+    step = plugin.last["step_record"]
+    assert_close(step["t_sim_embed"], ref["embed"], rel, "t_sim embed")
+    assert_close(step["t_sim_head"], ref["head"], rel, "t_sim head")
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_step_matches_brute_force(norm):
+    cfg = small_config(norm)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg)
+    plugin.on_model_built(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):  # the second step checks the buffer is reset between steps
+        batches = random_batches(cfg, 3, batch=2, seed=step)
+        ref = reference(model, batches)
+        grads = {}
+        loss = run_step(plugin, model, step, batches, opt, on_grads=lambda g=grads: g.update(grad_norms(model)))
+        check_against_reference(plugin, ref, grads)
+        assert plugin.last["step_record"]["loss"] == pytest.approx(loss, rel=1e-12)
+    if norm == "pre":
+        assert all(r["t_sim_out"] is None for r in plugin.last["layers"])
+    alphas = [r["alpha"] for r in plugin.last["layers"]]
+    assert all(a is not None and 0 < a < 10 for a in alphas)
+
+
+def _blockwise(model, tokens, wrap):
+    x = model.embedding(tokens)
+    for block in model.layers:
+        x = wrap(block, x)
+    return model.head(x)
+
+
+CHECKPOINTS = {  # name: (checkpoint function of the model, listener calls per layer probe and micro-batch)
+    "non-reentrant, probes fire again in recompute": (lambda m: partial(checkpoint, use_reentrant=False), 2),
+    "reentrant, no-grad pass + recompute": (lambda m: partial(checkpoint, use_reentrant=True), 2),
+    "megapost checkpoint_without_probes": (lambda m: partial(checkpoint_without_probes, m), 1),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINTS))
+def test_activation_checkpointing_counts_each_micro_batch_once(kind):
+    cfg = small_config("post")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    batches = random_batches(cfg, 2, batch=2, seed=3)
+    ref = reference(model, batches)
+    plugin = make_plugin(cfg)
+    make_wrap, calls_per_micro_batch = CHECKPOINTS[kind]
+    wrap = make_wrap(model)
+    calls = []
+    for probe in model.layers[1].modules():
+        if isinstance(probe, Probe):
+            probe.register_forward_pre_hook(lambda m, args, kwargs: calls.append(m.listener is not None),
+                                            with_kwargs=True)
+    run_step(plugin, model, 1, batches, torch.optim.SGD(model.parameters(), lr=0.0),
+             forward=partial(_blockwise, model, wrap=lambda block, x: wrap(block, x)))
+    assert sum(calls) == 2 * len(batches) * calls_per_micro_batch
+    check_against_reference(plugin, ref)
+
+
+def test_probe_without_grad_on_x_and_bf16():
+    cfg = small_config("post")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(torch.bfloat16)
+    model.embedding.word_embeddings.weight.requires_grad_(False)  # X_1^1 does not require grad
+    batches = random_batches(cfg, 2, batch=2, seed=4)
+    ref = reference(model, batches)
+    plugin = make_plugin(cfg)
+    run_step(plugin, model, 1, batches, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0))
+    records = records_by_key(plugin.last["layers"])
+    assert records[(1, 0)]["alpha"] is None and records[(1, 0)]["c"] is None
+    # same bf16 activations, fp32 vs fp64 accumulation; alpha pools bf16 gradients of a bf16 backward
+    check_against_reference(plugin, {k: v for k, v in ref.items() if k != (1, 0)}, rel=1e-4, skip=("alpha", "c"))
+    for key, expected in ref.items():
+        if isinstance(key, tuple) and key != (1, 0):
+            assert_close(records[key]["alpha"], expected["alpha"], 2e-2, f"{key} alpha (bf16)")
+
+
+def test_forward_only_step_zero_and_interval():
+    cfg = small_config("post")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg, "--collapse-at-init", "--collapse-interval", "3", "--collapse-layers", "1,3")
+    assert [s for s in range(8) if plugin.wants_step(s)] == [0, 3, 6]
+    assert not make_plugin(cfg).wants_step(0)
+    batches = random_batches(cfg, 2, seed=5)
+    ref = reference(model, batches)
+    run_step(plugin, model, 0, batches, optimizer=None)
+    assert {r["layer"] for r in plugin.last["layers"]} == {1, 3}
+    check_against_reference(plugin, {k: v for k, v in ref.items() if not isinstance(k, tuple) or k[0] != 2},
+                            skip=("alpha", "c"))
+    assert all(r[f] is None for r in plugin.last["layers"] for f in ("alpha", "c", "grad_norm"))
+    # unmeasured step: nothing attached, no hooks
+    probes = [m for m in model.modules() if isinstance(m, Probe)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    last = plugin.last
+    run_step(plugin, model, 1, batches, opt)
+    assert plugin.last is last and all(p.listener is None for p in probes)
+    run_step(plugin, model, 3, batches, opt)
+    assert plugin.last["step"] == 3 and all(p.listener is None for p in probes)
+    assert set_listener(model, None) == len(probes)
+
+
+def test_frequency_losses_on_hand_made_labels():
+    cfg = small_config("post", seq_length=16)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg)
+    ones = torch.ones(1, 16)
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+
+    def batch(labels):
+        return {"tokens": tokens, "labels": torch.tensor([labels]), "loss_mask": ones}
+
+    step1 = [batch([3] * 16), batch([4] * 8 + [5] * 8)]  # H = 0 and ln 2; pooled 16:8:8
+    step2 = [batch([6] * 16), batch([7] * 16)]  # pooled 16:16
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ln2 = math.log(2)
+    run_step(plugin, model, 1, step1, opt)
+    rec = plugin.last["step_record"]
+    assert rec["freq_loss_agg"] == pytest.approx(1.5 * ln2)
+    assert rec["freq_loss_seq"] == pytest.approx(ln2 / 2)
+    assert rec["freq_loss_running"] == pytest.approx(1.5 * ln2)
+    run_step(plugin, model, 2, step2, opt)
+    rec = plugin.last["step_record"]
+    assert rec["freq_loss_agg"] == pytest.approx(ln2)
+    assert rec["freq_loss_seq"] == pytest.approx(0.0)
+    assert rec["freq_loss_running"] == pytest.approx(2.25 * ln2)  # 16:8:8:16:16 of 64
+    resumed = make_plugin(cfg)
+    resumed.load_state_dict(plugin.state_dict())
+    assert resumed.running.value() == pytest.approx(2.25 * ln2)
+
+
+def test_tsim_and_layer_parsing():
+    x = torch.randn(2, 5, 8)
+    assert float(tsim(x.mean(1, keepdim=True).expand(2, 5, 8))[0]) == pytest.approx(1.0)
+    eye = torch.eye(8)[:5]  # orthogonal rows: t_sim = 1/n
+    assert float(tsim(eye)) == pytest.approx(1 / 5)
+    assert parse_layers("1,2,47-48", 48) == (1, 2, 47, 48)
+    assert parse_layers("", 3) == (1, 2, 3)
+    for bad in ("0", "2-1", "a", "49"):
+        with pytest.raises(ValueError):
+            parse_layers(bad, 48)

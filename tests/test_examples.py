@@ -1,0 +1,39 @@
+"""The documented entry points: `deepspeed examples/pretrain_postnorm.sh`, two ranks, and bash."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from dist_utils import free_port
+from launch_utils import read_scalars, run, tiny_model_flags
+
+
+def _flags(data) -> list[str]:
+    return tiny_model_flags(data, **{"--train-iters": 4, "--eval-interval": 2, "--eval-iters": 1})
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"lm loss (\d+\.\d+) \| lr", stdout)]
+
+
+@pytest.mark.parametrize("script", ["pretrain_postnorm.sh", "pretrain_prenorm.sh"])
+def test_deepspeed_launcher_runs_the_example(tiny_data, tmp_path, script) -> None:
+    out = run(["deepspeed", "--master_port", str(free_port()), f"examples/{script}", *_flags(tiny_data)],
+              MEGAPOST_RUN_DIR=str(tmp_path))
+    name = script.removeprefix("pretrain_").removesuffix(".sh")
+    assert f"norm={name.removesuffix('norm')}" in out.stdout
+    tb = tmp_path / name / "tensorboard"
+    assert len(read_scalars(tb, "train/lm_loss")) == 4
+    assert (tmp_path / name / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+
+
+def test_two_ranks_and_bash_give_the_same_losses(tiny_data, tmp_path) -> None:
+    """Data parallelism over 2 ranks (gloo) reproduces the single-process run."""
+    two = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+               "examples/pretrain_postnorm.sh", *_flags(tiny_data)], MEGAPOST_RUN_DIR=str(tmp_path / "a"))
+    assert "(TP,PP,DP)=(1,1,2)" in two.stdout
+    one = run(["bash", "examples/pretrain_postnorm.sh", *_flags(tiny_data)],
+              MEGAPOST_RUN_DIR=str(tmp_path / "b"))
+    assert len(_losses(one.stdout)) == 4
+    assert _losses(two.stdout) == pytest.approx(_losses(one.stdout), rel=1e-5)
