@@ -81,7 +81,11 @@ def build_ds_config(args: argparse.Namespace, user: dict[str, Any]) -> dict[str,
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = args.zero_stage
     config["bf16"] = {**config.get("bf16", {}), "enabled": bool(args.bf16)}
-    if args.bf16 and args.zero_stage == 0 and args.pipeline_model_parallel_size == 1:
-        # keep fp32 gradient accumulation and master weights in the bf16 optimizer
-        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    if args.bf16:
+        # Megatron's bf16: fp32 master weights and fp32 gradient accumulation. DeepSpeed provides them
+        # through its ZeRO-1 BF16 optimizer (at DP=1 nothing is partitioned); its ZeRO-0 bf16 path
+        # would step bf16 weights directly, so stage 0 is promoted to 1.
+        zero["stage"] = args.zero_stage = max(1, args.zero_stage)
+        if zero["stage"] == 1:
+            config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     return config

@@ -12,7 +12,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_layers=48, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=4, seq_length=2048,
         micro_batch_size=4, global_batch_size=256, train_iters=40000, lr=8e-4, min_lr=0.0,
         lr_warmup_iters=2000, lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9,
-        adam_beta2=0.95, clip_grad=1.0, init_variance="paper", bf16=True, eval_interval=1000,
+        adam_beta2=0.95, clip_grad=1.0, init_variance="paper", bf16=True, zero_stage=1, eval_interval=1000,
         eval_iters=10, save_interval=1000, log_interval=10,
     ),
     # Trains visibly (loss falling) in a few minutes on 2 CPU cores.
