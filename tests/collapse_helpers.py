@@ -42,17 +42,20 @@ def random_batches(cfg: ModelConfig, num: int, batch: int = 2, seed: int = 0) ->
     out = []
     for _ in range(num):
         seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=gen)
-        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(batch, cfg.seq_length)})
+        mask = torch.ones(batch, cfg.seq_length)
+        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": mask})
     return out
 
 
 def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, batches: Sequence[Batch],
              optimizer: torch.optim.Optimizer | None = None,
              forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             on_grads: Callable[[], None] | None = None) -> float:
+             on_grads: Callable[[], None] | None = None,
+             loss_fn: Callable[..., torch.Tensor] = lm_loss) -> float:
     """One optimizer step with the hooks called as the trainer does (plain torch; the model stands in
     for the engine: ``before_optimizer_step`` reads its parameters' ``.grad``). With ``optimizer=None``
-    it is a forward-only step (as at step 0). ``on_grads`` runs with the gradients before the step."""
+    it is a forward-only step (as at step 0). ``on_grads`` runs once the gradients are complete, before
+    the plugin and the optimizer see them (to record them, or to average them over data-parallel ranks)."""
     forward = forward or model
     wanted = plugin.wants_step(step)
     if wanted:
@@ -62,15 +65,15 @@ def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, b
         for batch in batches:
             if wanted:
                 plugin.on_micro_batch(step, batch)
-            loss = lm_loss(forward(batch["tokens"]), batch["labels"], batch["loss_mask"])
+            loss = loss_fn(forward(batch["tokens"]), batch["labels"], batch["loss_mask"])
             if optimizer is not None:
                 (loss / len(batches)).backward()
             losses.append(float(loss.detach()))
     if optimizer is not None:
-        if wanted:
-            plugin.before_optimizer_step(step, model)
         if on_grads is not None:
             on_grads()
+        if wanted:
+            plugin.before_optimizer_step(step, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     mean = sum(losses) / len(losses)
@@ -87,7 +90,8 @@ def manual_forward(model: LlamaModel, tokens: torch.Tensor) -> tuple[torch.Tenso
     x = model.embedding.word_embeddings(tokens)
     acts["embed"] = {"x": x}
     for block in model.layers:
-        for k, (fn, norm) in enumerate(((block.attention, block.attention_norm), (block.mlp, block.mlp_norm))):
+        sublayers = ((block.attention, block.attention_norm), (block.mlp, block.mlp_norm))
+        for k, (fn, norm) in enumerate(sublayers):
             y = x + fn(x) if post else x + fn(norm(x))
             out = norm(y) if post else None
             acts[(block.layer_number, k)] = {"x": x, "y": y, "out": out, "u": y if post else x}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megapost.model import ModelConfig, set_listener
+from megapost.model import ModelConfig, TransformerBlock, set_listener
 
 
 def free_port() -> int:
@@ -34,13 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple,
+               setup: Callable[[], None] | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
     try:
+        if setup is not None:
+            setup()
         import deepspeed
         import deepspeed.utils.logging as ds_logging
 
@@ -58,12 +61,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank."""
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
+              setup: Callable[[], None] | None = None) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` gloo ranks; the list of their return values, by rank. ``setup()``
+    runs first in each rank, before DeepSpeed is imported and the process group initialised."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megapost-ranks-") as out:
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, out, fn, args), daemon=False)
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, out, fn, args, setup))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -120,6 +125,7 @@ class RunSpec:
     return_params: bool = True
     data_seed: int = 7
     optimizer: str = "adamw"  # or "sgd" (no momentum: parameter differences are lr x gradient differences)
+    count_comm: bool = False  # count tensor-parallel collective bytes over steps 1.. (step 0 warms up)
 
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
@@ -176,6 +182,7 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
         initialize_parallel,
         make_mpu,
     )
+    from megapost.parallel.collectives import COMM_STATS
 
     pstate = initialize_parallel(spec.tp, spec.pp, spec.sp)
     cfg = tiny_config(**spec.model)
@@ -194,7 +201,9 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
                                       mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
     gas = engine.gradient_accumulation_steps()
     losses, norms, times = [], [], []
+    COMM_STATS.reset()
     for step in range(spec.steps):
+        COMM_STATS.enabled = spec.count_comm and step > 0
         batches = [synthetic_micro_batch(spec, cfg, step, pstate.dp_rank * gas + i) for i in range(gas)]
         start = time.perf_counter()
         if pstate.pp_size > 1:
@@ -215,6 +224,7 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
         losses.append(loss)
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+    COMM_STATS.enabled = False
     if spec.probes:
         set_listener(model, None)
     params = full_state_dict(model, pstate) if spec.return_params else None
@@ -222,6 +232,10 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
         "rank": dist.get_rank(), "coord": (pstate.tp_rank, pstate.pp_rank, pstate.dp_rank),
         "losses": losses, "grad_norms": norms, "step_times": times, "gas": gas,
         "probe_forward": dict(counter.forward), "probe_backward": dict(counter.backward),
+        "tp_bytes": dict(COMM_STATS.bytes), "tp_calls": dict(COMM_STATS.calls),
+        "local_layers": sum(isinstance(m, TransformerBlock) for m in model.modules()),
+        "local_params": sum(p.numel() for p in model.parameters()),
+        "first_stage": pstate.is_first_stage, "last_stage": pstate.is_last_stage,
         "params": params if dist.get_rank() == 0 else None,
         "params0": params0 if dist.get_rank() == 0 else None,
         "spec": asdict(spec),

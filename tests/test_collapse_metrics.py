@@ -57,7 +57,8 @@ def test_step_matches_brute_force(norm):
         batches = random_batches(cfg, 3, batch=2, seed=step)
         ref = reference(model, batches)
         grads = {}
-        loss = run_step(plugin, model, step, batches, opt, on_grads=lambda g=grads: g.update(grad_norms(model)))
+        loss = run_step(plugin, model, step, batches, opt,
+                        on_grads=lambda g=grads: g.update(grad_norms(model)))
         check_against_reference(plugin, ref, grads)
         assert plugin.last["step_record"]["loss"] == pytest.approx(loss, rel=1e-12)
     if norm == "pre":
@@ -74,7 +75,7 @@ def _blockwise(model, tokens, wrap):
 
 
 CHECKPOINTS = {  # name: (checkpoint function of the model, do probes fire again during recompute)
-    "non-reentrant, probes fire again in recompute": (lambda m: partial(checkpoint, use_reentrant=False), True),
+    "non-reentrant, probes fire in recompute": (lambda m: partial(checkpoint, use_reentrant=False), True),
     "reentrant, no-grad pass + recompute": (lambda m: partial(checkpoint, use_reentrant=True), True),
     "megapost checkpoint_without_probes": (lambda m: partial(checkpoint_without_probes, m), False),
 }
@@ -110,11 +111,13 @@ def test_probe_without_grad_on_x_and_bf16():
     batches = random_batches(cfg, 2, batch=2, seed=4)
     ref = reference(model, batches)
     plugin = make_plugin(cfg)
-    run_step(plugin, model, 1, batches, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    run_step(plugin, model, 1, batches, torch.optim.SGD(trainable, lr=0.0))
     records = records_by_key(plugin.last["layers"])
     assert records[(1, 0)]["alpha"] is None and records[(1, 0)]["c"] is None
     # same bf16 activations, fp32 vs fp64 accumulation; alpha pools bf16 gradients of a bf16 backward
-    check_against_reference(plugin, {k: v for k, v in ref.items() if k != (1, 0)}, rel=1e-4, skip=("alpha", "c"))
+    rest = {k: v for k, v in ref.items() if k != (1, 0)}
+    check_against_reference(plugin, rest, rel=1e-4, skip=("alpha", "c"))
     for key, expected in ref.items():
         if isinstance(key, tuple) and key != (1, 0):
             assert_close(records[key]["alpha"], expected["alpha"], 2e-2, f"{key} alpha (bf16)")

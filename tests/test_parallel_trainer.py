@@ -18,8 +18,11 @@ def _train(data, tmp: Path, nprocs: int, **flags) -> tuple[dict[int, float], dic
     return read_scalars(tb, "train/lm_loss"), read_scalars(tb, "train/grad_norm")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, sp", [(2, 1, True), (2, 2, True), (1, 2, False)])
+@pytest.mark.parametrize("tp, pp, sp", [
+    (2, 1, True),
+    pytest.param(2, 2, True, marks=pytest.mark.slow),
+    pytest.param(1, 2, False, marks=pytest.mark.slow),
+])
 def test_trainer_layout_matches_single_rank(tiny_data, tmp_path_factory, tp: int, pp: int, sp: bool) -> None:
     tmp = tmp_path_factory.mktemp("trainer")
     if "ref" not in _single:

@@ -8,12 +8,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_ranks, tiny_config
+from dist_utils import ProbeCounter, run_ranks, tiny_config
 from torch import nn
 
-from megapost.model import lm_loss
+from megapost.model import LlamaModel, lm_loss, set_listener
 from megapost.parallel import (
     ParallelState,
+    build_model,
     deepspeed_config_errors,
     deepspeed_config_overrides,
     initialize_parallel,
@@ -242,3 +243,25 @@ def test_pipeline_parameter_names_map_to_model_names() -> None:
     assert model_parameter_name("1.attention.wq.weight", 4) == "layers.0.attention.wq.weight"
     assert model_parameter_name("4.mlp.w2.weight", 4) == "layers.3.mlp.w2.weight"
     assert model_parameter_name("5.lm_head.weight", 4) == "head.lm_head.weight"
+
+
+def test_single_process_build_is_the_plain_model_and_checkpointing_reports_once() -> None:
+    """(1, 1, 1): build_model gives LlamaModel's names, weights, logits and gradients; with activation
+    checkpointing every probe still reports once per forward and its dL/dY hook fires once."""
+    cfg = tiny_config(num_layers=3, norm_position="pre", prefix_alpha=0.3)
+    plain = LlamaModel(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    labels, mask = tokens.roll(-1, 1), torch.ones(2, cfg.seq_length)
+    lm_loss(plain(tokens), labels, mask).backward()
+    for ckpt in (False, True):
+        model, loss_fn = build_model(cfg, ParallelState(), checkpoint_activations=ckpt)
+        assert {k: v.shape for k, v in model.state_dict().items()} == {
+            k: v.shape for k, v in plain.state_dict().items()}
+        assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+        counter = ProbeCounter()
+        set_listener(model, counter)
+        loss_fn(model(tokens), labels, mask).backward()
+        assert sum(counter.forward.values()) == 2 + 2 * cfg.num_layers, counter.forward
+        assert set(counter.forward.values()) == set(counter.backward.values()) == {1}
+        grads = dict(model.named_parameters())
+        assert all(torch.equal(grads[k].grad, p.grad) for k, p in plain.named_parameters())

@@ -22,7 +22,6 @@ from .topology import initialize_parallel
 
 __all__ = [
     "MPU", "ParallelLlamaModel", "ParallelState", "build_model", "deepspeed_config_errors",
-    "deepspeed_config_overrides",
-    "full_state_dict", "get_parallel_state", "initialize_parallel", "layout_errors", "make_loss_fn",
-    "make_mpu", "padded_vocab_size", "set_parallel_state", "validate_layout",
+    "deepspeed_config_overrides", "full_state_dict", "get_parallel_state", "initialize_parallel",
+    "layout_errors", "make_loss_fn", "make_mpu", "padded_vocab_size", "set_parallel_state", "validate_layout",
 ]

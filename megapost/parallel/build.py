@@ -20,10 +20,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ParallelLlamaModel(nn.Module):
-    """``LlamaModel`` (same submodules and parameter names) sharded over tensor parallelism, built one
-    block at a time so no rank ever holds more than one full block. tokens [b, s] -> logits
-    [b, s, vocab/tp]. With ``checkpoint_activations`` every ``checkpoint_num_layers`` blocks are
-    recomputed in backward (non-reentrant; probes do not fire during the recompute)."""
+    """``LlamaModel`` (same submodules, parameter names and initial weights) sharded over tensor
+    parallelism; each module is built full size, initialised and sharded before the next is built.
+    tokens [b, s] -> logits [b, s, vocab/tp]. With ``checkpoint_activations`` every
+    ``checkpoint_num_layers`` blocks are recomputed in backward (non-reentrant; probes do not fire
+    during the recompute)."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,
                  checkpoint_num_layers: int = 1) -> None:
@@ -46,7 +47,7 @@ class ParallelLlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         n, k = len(self.layers), self.checkpoint_num_layers
-        if self.checkpoint_activations and torch.is_grad_enabled():
+        if self.checkpoint_activations:
             for start in range(0, n, k):
                 x = checkpoint_without_probes(self, partial(self._run, start, start + k), x)
         else:

@@ -35,6 +35,9 @@ def probes_silenced(root: nn.Module) -> Iterator[None]:
 
 
 def checkpoint_without_probes(root: nn.Module, function: Callable[..., Any], *args: torch.Tensor) -> Any:
-    """``function(*args)`` with activations recomputed in backward, probes under ``root`` silent then."""
+    """``function(*args)`` with activations recomputed in backward, probes under ``root`` silent then
+    (a plain call when gradients are off, e.g. evaluation)."""
+    if not torch.is_grad_enabled():
+        return function(*args)
     return checkpoint(function, *args, use_reentrant=False,
                       context_fn=lambda: (nullcontext(), probes_silenced(root)))

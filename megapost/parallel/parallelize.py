@@ -47,9 +47,9 @@ def _row(linear: nn.Module, pstate: ParallelState) -> RowParallelLinear:
 
 def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> TransformerBlock:
     """Shard ``block``'s attention and MLP over ``pstate.tp_group``; returns the same block."""
-    if pstate.tp_size == 1:
-        return block
     attn, mlp = block.attention, block.mlp
+    if pstate.tp_size == 1 or isinstance(attn.wo, RowParallelLinear):  # nothing to do, or done already
+        return block
     heads = attn.wq.out_features // attn.head_dim
     if heads % pstate.tp_size:
         raise ValueError(f"--num-attention-heads {heads} is not divisible by "
@@ -68,7 +68,7 @@ def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> Transfo
 
 def parallelize_embedding(embedding: Embedding, pstate: ParallelState) -> Embedding:
     """Split the vocabulary rows over TP; under SP the output is this rank's sequence shard."""
-    if pstate.tp_size > 1:
+    if pstate.tp_size > 1 and not isinstance(embedding.word_embeddings, VocabParallelEmbedding):
         embedding.word_embeddings = VocabParallelEmbedding(
             embedding.word_embeddings, pstate.tp_group, sequence_parallel=pstate.sequence_parallel)
     return embedding
@@ -76,7 +76,7 @@ def parallelize_embedding(embedding: Embedding, pstate: ParallelState) -> Embedd
 
 def parallelize_head(head: Head, pstate: ParallelState) -> Head:
     """Column-parallel LM head producing vocab-sharded logits [b, s, vocab/tp] (no gather)."""
-    if pstate.tp_size == 1:
+    if pstate.tp_size == 1 or isinstance(head.lm_head, ColumnParallelLinear):
         return head
     head.lm_head = ColumnParallelLinear(
         head.lm_head, pstate.tp_group, input_mapping="gather_seq" if pstate.sequence_parallel else "copy")

@@ -16,8 +16,12 @@ v = d sigma_W1^2. t_sim never materialises an n x n matrix: ||Pi X||_F^2 = ||sum
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,7 @@ from collapse_metrics.theory import (
 from megapost.data import GPTDataset, IndexedDataset
 from megapost.model import LlamaModel, ModelConfig, set_listener
 from megapost.model.init import matrix_std
+from megapost.utils.atomic import atomic_path
 
 SUBLAYERS = ("attn", "ffn")
 FIELDS = ("t_x", "t_y", "t_out", "x_fro_sq", "y_fro_sq")
@@ -119,7 +124,8 @@ def measured_increments(meas: dict[str, Any]) -> dict[str, np.ndarray]:
             for sub in SUBLAYERS for kind in ("resid", "norm")}
 
 
-def predicted_increments(cfg: ModelConfig, meas: dict[str, Any], num_nodes: int = 80) -> dict[str, np.ndarray]:
+def predicted_increments(cfg: ModelConfig, meas: dict[str, Any],
+                         num_nodes: int = 80) -> dict[str, np.ndarray]:
     """Theory deltas [S, L] at each sublayer's measured input t_sim (and measured ||X||_F^2 in Pre-Norm)."""
     n, d, f = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size
     var = init_variances(cfg)
@@ -229,3 +235,23 @@ def removed_share(sweep: Sequence[dict[str, Any]]) -> dict[str, float]:
         return {}
     base = by_alpha[0.0]
     return {f"{a:g}": 1.0 - v / base for a, v in by_alpha.items()}
+
+
+def _jsonable(obj: Any) -> Any:
+    """nan/inf -> None recursively (strict JSON), numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_json(path: str | os.PathLike[str], obj: dict[str, Any]) -> Path:
+    """Strict JSON (nan as null) written atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(_jsonable(obj), allow_nan=False) + "\n", encoding="utf-8")
+    return Path(path)

@@ -1,0 +1,133 @@
+"""Collapse-metrics outputs: JSONL schema and append-on-resume, TensorBoard tags, custom-scalars layout,
+heatmap image; and the transition detector on synthetic series."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from collapse_helpers import make_plugin, random_batches, run_step, small_config
+from collapse_metrics.transition import TransitionConfig, TransitionDetector
+from collapse_metrics.writers import JSONL_NAME
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch.utils.tensorboard import SummaryWriter
+
+from megapost.model import LlamaModel
+
+LAYER_KEYS = {"step", "layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean",
+              "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer", "grad_norm_norms"}
+STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
+             "transition"}
+
+
+def train(tmp_path, steps, *argv, writer=None):
+    cfg = small_config("pre")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg, *argv, tb_dir=str(tmp_path), writer=writer)
+    plugin.on_model_built(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in steps:
+        run_step(plugin, model, step, random_batches(cfg, 2, seed=step), opt if step else None)
+    plugin.close()
+    return plugin
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    train(tmp_path, [0, 1, 2, 3, 4], "--collapse-at-init", "--collapse-interval", "2", "--collapse-image-interval",
+          "2", writer=writer)
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
+    assert len(lines) == 3 * (3 * 2 + 1)  # steps 0, 2, 4: 3 layers x 2 sublayers + 1 step record
+    layer_recs = [r for r in lines if "layer" in r]
+    step_recs = [r for r in lines if "layer" not in r]
+    assert all(set(r) == LAYER_KEYS for r in layer_recs) and all(set(r) == STEP_KEYS for r in step_recs)
+    assert [r["step"] for r in step_recs] == [0, 2, 4]
+    assert all(r["t_sim_out"] is None for r in layer_recs)  # Pre-Norm
+    assert all(r["alpha"] is None and r["grad_norm"] is None for r in layer_recs if r["step"] == 0)
+    assert all(r["alpha"] > 0 and r["grad_norm"] > 0 for r in layer_recs if r["step"] == 2)
+
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for tag in ("collapse/t_sim/L01/attn/x", "collapse/t_sim/L03/ffn/y", "collapse/rms_factor/L02/ffn/min",
+                "collapse/resid_norm/L01/ffn", "collapse/alpha/L02/attn", "collapse/c/L03/ffn",
+                "collapse/grad_norm/L01", "collapse/grad_norm/L01/attn", "collapse/grad_norm/L01/ffn",
+                "collapse/grad_norm/L01/norms", "collapse/freq_loss/agg", "collapse/freq_loss/seq",
+                "collapse/freq_loss/running", "collapse/t_sim/embed", "collapse/t_sim/head", "collapse/loss"):
+        assert tag in scalars, tag
+    assert "collapse/t_sim/L01/attn/out" not in scalars  # null under Pre-Norm: not written
+    assert [e.step for e in events.Scalars("collapse/t_sim/L02/attn/y")] == [0, 2, 4]
+    assert [e.step for e in events.Scalars("collapse/alpha/L02/attn")] == [2, 4]
+    assert [e.step for e in events.Images("collapse/t_sim_heatmap")] == [2]  # every 2nd measured step
+
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    regex = charts["t_sim attn y"][0]
+    assert {t for t in scalars if re.search(regex, t)} == {f"collapse/t_sim/L0{n}/attn/y" for n in (1, 2, 3)}
+    layer_regex = charts["grad_norm layer"][0]
+    assert {t for t in scalars if re.search(layer_regex, t)} == {f"collapse/grad_norm/L0{n}" for n in (1, 2, 3)}
+
+
+def test_jsonl_appends_on_resume(tmp_path):
+    first = train(tmp_path, [1, 2])
+    second = make_plugin(small_config("pre"), tb_dir=str(tmp_path))
+    second.load_state_dict(first.state_dict())
+    assert second.running.num_tokens == first.running.num_tokens > 0
+    torch.manual_seed(0)
+    model = LlamaModel(small_config("pre"))
+    run_step(second, model, 3, random_batches(small_config("pre"), 2, seed=3), torch.optim.SGD(model.parameters()))
+    second.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
+    assert steps == [1] * 7 + [2] * 7 + [3] * 7
+
+
+def series(n, jump_at=None, tsim_jump=0.0, loss_jump=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    t = 0.3 + 0.005 * rng.standard_normal(n)
+    loss = 4.0 - np.linspace(0, 0.5, n) + 0.01 * rng.standard_normal(n)
+    if jump_at is not None:
+        t[jump_at:] += tsim_jump
+        loss[jump_at:] += loss_jump
+    return t, loss
+
+
+@pytest.mark.parametrize(("tsim_jump", "loss_jump", "flagged"), [
+    (0.5, 2.0, [60]),  # both rise sharply together: one alert, at the first step
+    (0.5, 0.0, []),  # t_sim alone
+    (0.0, 2.0, []),  # loss alone
+    (0.0, 0.0, []),  # noise and a falling loss
+    (0.02, 0.02, []),  # significant in z but below the minimum rises
+])
+def test_transition_detector(tsim_jump, loss_jump, flagged):
+    t, loss = series(120, jump_at=60, tsim_jump=tsim_jump, loss_jump=loss_jump)
+    det = TransitionDetector(TransitionConfig())
+    events = [det.update(s, float(a), float(b)) for s, (a, b) in enumerate(zip(t, loss, strict=True))]
+    assert [e.step for e in events if e is not None] == flagged
+    if flagged:
+        assert "transition at step 60" in next(e for e in events if e is not None).line()
+    restored = TransitionDetector(TransitionConfig())
+    restored.load_state_dict(det.state_dict())
+    assert restored.state_dict() == det.state_dict()
+    assert det.update(999, math.nan, 1.0) is None and det.update(999, None, 1.0) is None
+
+
+def test_transition_flag_reaches_outputs(tmp_path, capsys):
+    plugin = make_plugin(small_config("post"), "--collapse-transition-warmup", "3", tb_dir=str(tmp_path))
+    for step, (t, loss) in enumerate([(0.30, 4.0), (0.31, 3.9), (0.30, 3.85), (0.31, 3.8), (0.9, 6.0)], 1):
+        reduced = {"sub": torch.zeros(3, 2, 13), "rms_ext": torch.zeros(3, 2, 2), "grad": torch.zeros(3, 5),
+                   "site": torch.tensor([[0.0, 0.0], [t, 1.0]]), "labels": torch.zeros(40),
+                   "label_seq": torch.zeros(2), "loss": torch.tensor([loss, 1.0])}
+        plugin._finish(step, reduced)
+    plugin.close()
+    assert plugin.last["step_record"]["transition"] is True
+    assert "[collapse] transition at step 5" in capsys.readouterr().out
+    last = json.loads((tmp_path / JSONL_NAME).read_text().splitlines()[-1])
+    assert last["transition"] is True and last["freq_loss_agg"] is None

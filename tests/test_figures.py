@@ -1,0 +1,78 @@
+"""Training-run figures from a synthetic collapse_metrics.jsonl (all files, non-empty PNGs, nulls)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = {"fig3_alpha", "fig4_contraction", "fig5_grad_norms", "fig6_loss_vs_frequency", "tsim_heatmap"}
+
+
+def synthetic_run(path: Path, layers: int = 6, steps: range = range(0, 101, 5),
+                  transition: bool = True) -> Path:
+    """A collapsing run: last-layer t_sim and loss jump at step 60, early-layer gradients vanish."""
+    recs = []
+    for step in steps:
+        late = 1.0 / (1.0 + math.exp(-(step - 60) / 3.0))
+        for layer in range(1, layers + 1):
+            for sub in ("attn", "ffn"):
+                t = min(1.0, 0.1 + 0.8 * late * layer / layers)
+                r = 1.0 / (1.0 + 5 * late * layer / layers)
+                alpha = None if step == 0 else 1.0 + late
+                recs.append({
+                    "step": step, "layer": layer, "sublayer": sub, "t_sim_x": t, "t_sim_y": t,
+                    "t_sim_out": None if sub == "attn" and layer == 2 else t, "resid_norm": 10 / r,
+                    "rms_factor_mean": r, "rms_factor_min": 0.8 * r, "rms_factor_max": 1.2 * r,
+                    "alpha": alpha,
+                    "c": None if alpha is None else alpha * r,
+                    "grad_norm": None if step == 0 else 10 ** (-3 * late * (layers - layer) / layers),
+                })
+        recs.append({"step": step, "loss": 8.0 - 3 * step / 100 + 2 * late, "freq_loss_agg": 7.3,
+                     "freq_loss_seq": None, "freq_loss_running": 7.0 + 0.003 * step,
+                     "t_sim_embed": 0.01, "t_sim_head": None if step < 10 else 0.2 + 0.8 * late,
+                     "transition": bool(transition and 60 <= step <= 65)})
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    return path
+
+
+def test_loader_handles_nulls(tmp_path: Path) -> None:
+    run = load_collapse_jsonl(synthetic_run(tmp_path / "m.jsonl"))
+    assert list(run.layers) == [1, 2, 3, 4, 5, 6] and len(run.layer_steps) == 21
+    assert np.isnan(run.layer["attn"]["alpha"][0]).all() and not np.isnan(run.layer["attn"]["alpha"][1]).any()
+    assert np.isnan(run.layer["attn"]["t_sim_out"][:, 1]).all()
+    assert np.isnan(run.step["freq_loss_seq"]).all()
+    assert run.window(10) == (50.0, 75.0)
+    grads = run.sublayer_grad()
+    assert np.isnan(grads[0]).all()
+    np.testing.assert_allclose(grads[1], np.sqrt(2) * run.layer["attn"]["grad_norm"][1])
+
+
+@pytest.mark.parametrize("transition", [True, False])
+def test_all_figures_written(tmp_path: Path, transition: bool) -> None:
+    jsonl = synthetic_run(tmp_path / "collapse_metrics.jsonl", transition=transition)
+    pngs = plot_collapse_run(jsonl, tmp_path / "figs")
+    assert set(pngs) == NAMES
+    for png in pngs.values():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert not [p for p in (tmp_path / "figs").iterdir() if p.name.startswith(".")]
+
+
+def test_cli_and_sparse_file(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import plot_collapse
+
+    run_dir = tmp_path / "tensorboard"
+    run_dir.mkdir()
+    (run_dir / "collapse_metrics.jsonl").write_text(  # only per-step records, mostly null
+        json.dumps({"step": 1, "loss": None, "transition": None}) + "\n"
+        + json.dumps({"step": 2, "loss": 5.0, "freq_loss_agg": None}) + "\n")
+    assert plot_collapse.main(["--run-dir", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    assert {p.stem for p in (tmp_path / "out").glob("*.png")} == NAMES
+    assert all(p.stat().st_size > 5_000 for p in (tmp_path / "out").glob("*.png"))
+    assert plot_collapse.main(["--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2

@@ -1,0 +1,39 @@
+"""Training-run figures (Figs 3-6 and a t_sim heatmap) from a run's collapse_metrics.jsonl.
+
+    python tools/plot_collapse.py --run-dir runs/X/tensorboard --out docs/figures/X
+
+Writes fig3_alpha.png (alpha_k^l over steps), fig4_contraction.png (sqrt(d)/||y|| and c around the
+transition window), fig5_grad_norms.png (per-layer gradient norms, log), fig6_loss_vs_frequency.png and
+tsim_heatmap.png. The window is the steps flagged ``transition`` +/- --window, or the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from collapse_metrics.figures import plot_collapse_run
+
+JSONL = "collapse_metrics.jsonl"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, help=f"the run's --tensorboard-dir ({JSONL}) or the file")
+    p.add_argument("--out", required=True, help="folder for the PNGs")
+    p.add_argument("--window", type=int, default=50, help="steps either side of the transition")
+    args = p.parse_args(argv)
+    path = Path(args.run_dir)
+    path = path / JSONL if path.is_dir() else path
+    if not path.is_file():
+        print(f"error: {path} not found (run with --plugins collapse_metrics?)", file=sys.stderr)
+        return 2
+    for name, png in plot_collapse_run(path, args.out, args.window).items():
+        print(f"{name}: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
