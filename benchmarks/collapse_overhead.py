@@ -6,6 +6,9 @@ round so machine noise hits all alike: no plugin, the plugin at ``--collapse-int
 a run. Prints the median block-time ratios against no plugin (targets <= 1.15 and <= 1.01).
 
     python benchmarks/collapse_overhead.py [--layers 4 --hidden 256 --seq 256 --micro 4 --accum 2]
+
+On a CPU shared with other jobs use ``--threads 1``: a busy machine makes every multi-threaded
+kernel wait for a descheduled worker thread, which swamps what is being measured.
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--block", type=int, default=100, help="optimizer steps per timed block")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b = p.parse_args()
+    if b.threads:
+        torch.set_num_threads(b.threads)
     with tempfile.TemporaryDirectory(prefix="collapse-overhead-") as tb_dir:
         trainer, plugin = build_trainer(b, tb_dir)
         variants = {"none": None, "interval 1": 1, "interval 100": 100}

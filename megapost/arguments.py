@@ -66,6 +66,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0)
     g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1,
+                   help="transformer layers per activation-checkpoint segment")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +144,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"{args.micro_batch_size * dp}"
         )
     args.grad_accum_steps = args.global_batch_size // (args.micro_batch_size * dp)
+    if pp > 1 and args.zero_stage == 0 and "zero_stage" not in args.explicit:
+        args.zero_stage = 1  # DeepSpeed's pipeline engine clips correctly only with ZeRO-1 in fp32
     if args.zero_stage >= 2 and pp > 1:
         raise ConfigError(
             f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's "

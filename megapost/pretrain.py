@@ -29,6 +29,7 @@ from .monitor import Monitor
 from .optimizer import build_optimizer
 from .parallel import (
     build_model,
+    deepspeed_config_errors,
     deepspeed_config_overrides,
     initialize_parallel,
     make_mpu,
@@ -117,7 +118,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     train_iter, valid_iter = build_data(args, pstate)
     torch.manual_seed(args.seed)
 
-    model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=args.checkpoint_activations)
+    model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=args.checkpoint_activations,
+                                 checkpoint_num_layers=args.checkpoint_num_layers)
     monitor = Monitor(args.tensorboard_dir, enabled=pstate.is_logging_rank)
     plugins = build_plugins(classes, args, model_cfg, pstate, monitor)
     for plugin in plugins:
@@ -128,6 +130,9 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     ds_config = build_ds_config(args, user_ds)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
+    errors = deepspeed_config_errors(pstate, ds_config)
+    if errors:
+        raise ConfigError("; ".join(errors))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=make_mpu(pstate) if args.pipeline_model_parallel_size == 1 else None,

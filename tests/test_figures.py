@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run
+from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"fig3_alpha", "fig4_contraction", "fig5_grad_norms", "fig6_loss_vs_frequency", "tsim_heatmap"}
@@ -48,9 +48,11 @@ def test_loader_handles_nulls(tmp_path: Path) -> None:
     assert np.isnan(run.layer["attn"]["t_sim_out"][:, 1]).all()
     assert np.isnan(run.step["freq_loss_seq"]).all()
     assert run.window(10) == (50.0, 75.0)
-    grads = run.sublayer_grad()
+    grads = run.layer_grad()
     assert np.isnan(grads[0]).all()
     np.testing.assert_allclose(grads[1], np.sqrt(2) * run.layer["attn"]["grad_norm"][1])
+    run.layer["ffn"]["grad_norm_layer"][2] = 5.0  # the trainer's whole-layer norm wins where recorded
+    np.testing.assert_allclose(run.layer_grad()[2], 5.0)
 
 
 @pytest.mark.parametrize("transition", [True, False])
@@ -76,3 +78,10 @@ def test_cli_and_sparse_file(tmp_path: Path, monkeypatch) -> None:
     assert {p.stem for p in (tmp_path / "out").glob("*.png")} == NAMES
     assert all(p.stat().st_size > 5_000 for p in (tmp_path / "out").glob("*.png"))
     assert plot_collapse.main(["--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_summary_of_a_collapsed_run(tmp_path: Path) -> None:
+    res = summarize(load_collapse_jsonl(synthetic_run(tmp_path / "m.jsonl")), last=3)
+    assert res["freq_loss_agg"] == pytest.approx(7.3) and res["freq_loss_seq"] is None
+    assert res["t_sim_last_layer"] == pytest.approx(0.9, abs=1e-3)
+    assert res["grad_ratio_first_last"] < 1e-2 and res["last_step"] == 100

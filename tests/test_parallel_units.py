@@ -235,6 +235,8 @@ def test_deepspeed_config_checks() -> None:
     good = {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0} | deepspeed_config_overrides(pp_sp)
     assert deepspeed_config_errors(pp_sp, good) == []
     assert deepspeed_config_errors(ParallelState(tp_size=2), fp32_zero0) == []
+    no_reentrant = good | {"pipeline": {**good["pipeline"], "use_reentrant": False}}
+    assert any("use_reentrant" in e for e in deepspeed_config_errors(pp_sp, no_reentrant))
     assert deepspeed_config_overrides(ParallelState(tp_size=2, pp_size=2)) == {}
 
 

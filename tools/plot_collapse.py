@@ -4,17 +4,22 @@
 
 Writes fig3_alpha.png (alpha_k^l over steps), fig4_contraction.png (sqrt(d)/||y|| and c around the
 transition window), fig5_grad_norms.png (per-layer gradient norms, log), fig6_loss_vs_frequency.png and
-tsim_heatmap.png. The window is the steps flagged ``transition`` +/- --window, or the whole run.
+tsim_heatmap.png, and summary.json (loss vs frequency loss, last-layer t_sim, layer-1/layer-L
+gradient-norm ratio over the last measured steps). The window is the steps flagged ``transition``
++/- --window, or the whole run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.figures import plot_collapse_run
+from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run, summarize
+
+from megapost.utils.atomic import atomic_write_text
 
 JSONL = "collapse_metrics.jsonl"
 
@@ -32,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for name, png in plot_collapse_run(path, args.out, args.window).items():
         print(f"{name}: {png}")
+    summary = summarize(load_collapse_jsonl(path))
+    atomic_write_text(Path(args.out) / "summary.json", json.dumps(summary, indent=1) + "\n")
+    print("last measured steps: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if v is not None))
     return 0
 
 

@@ -26,6 +26,7 @@ def deepspeed_config_errors(pstate: ParallelState, config: dict[str, Any]) -> li
     which counts a non-tensor-parallel parameter only where the pipeline grid's model-parallel rank
     (stage x TP position) is 0, i.e. on the first stage: the clipping norm then leaves out every
     later stage. ZeRO stage 1 and the bf16/fp16 optimizers compute the norm correctly.
+    ``pipeline.use_reentrant: false`` would swap out the probe-aware checkpoint function.
     """
     errors = []
     stage = config.get("zero_optimization", {}).get("stage", 0)
@@ -40,4 +41,7 @@ def deepspeed_config_errors(pstate: ParallelState, config: dict[str, Any]) -> li
     if pstate.pp_size > 1 and pstate.sequence_parallel and partitioned:
         errors.append("--sequence-parallel with pipeline stages needs pipeline.pipe_partitioned and "
                       "grad_partitioned false (merge deepspeed_config_overrides(pstate))")
+    if pstate.pp_size > 1 and pipeline.get("use_reentrant") is False:
+        errors.append("pipeline.use_reentrant false makes DeepSpeed replace megapost's activation checkpoint "
+                      "function (its probes would report twice); remove it from --deepspeed_config")
     return errors

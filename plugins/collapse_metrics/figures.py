@@ -127,7 +127,7 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
 
 # ------------------------------------------------------------------------------------------- training runs
 LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
-                "rms_factor_max", "alpha", "c", "grad_norm")
+                "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer")
 STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
                "transition")
 
@@ -161,14 +161,37 @@ class CollapseRun:
             return (float(every.min()), float(every.max()))
         return (float(flagged.min() - margin), float(flagged.max() + margin))
 
-    def sublayer_grad(self) -> np.ndarray:
-        """Per-layer gradient norm [steps, L]: sqrt(sum over sublayers of grad_norm^2)."""
-        sq = [np.square(self.layer[s]["grad_norm"]) for s in self.layer if s in SUBLAYER_TITLES]
-        if not sq:
-            return np.full((len(self.layer_steps), len(self.layers)), np.nan)
-        stacked = np.stack(sq)
-        total = np.sqrt(np.nansum(stacked, axis=0))
-        return np.where(np.all(np.isnan(stacked), axis=0), np.nan, total)
+    def layer_grad(self) -> np.ndarray:
+        """Per-layer parameter-gradient norm [steps, L]: ``grad_norm_layer`` where recorded, else
+        sqrt(sum over sublayers of grad_norm^2)."""
+        subs = [s for s in self.layer if s in SUBLAYER_TITLES]
+        shape = (len(self.layer_steps), len(self.layers))
+        if not subs:
+            return np.full(shape, np.nan)
+        sq = np.stack([np.square(self.layer[s]["grad_norm"]) for s in subs])
+        from_subs = np.where(np.all(np.isnan(sq), axis=0), np.nan, np.sqrt(np.nansum(sq, axis=0)))
+        whole = np.fmax.reduce(np.stack([self.layer[s]["grad_norm_layer"] for s in subs]), axis=0)
+        return np.where(np.isnan(whole), from_subs, whole)
+
+
+def summarize(run: CollapseRun, last: int = 5) -> dict[str, float | None]:
+    """Collapse indicators averaged over the last ``last`` measured steps: loss, the frequency-loss
+    references, last-layer output t_sim, head-input t_sim and layer-1 / layer-L gradient norm ratio."""
+    def tail(values: np.ndarray) -> float | None:
+        v = values[-last:]
+        v = v[~np.isnan(v)]
+        return float(v.mean()) if len(v) else None
+
+    out = _sub(run, "ffn", "t_sim_out")
+    out = np.where(np.isnan(out), _sub(run, "ffn", "t_sim_y"), out)
+    grads = run.layer_grad()
+    ratio = grads[:, 0] / grads[:, -1] if grads.size else np.full(0, np.nan)
+    res = {f: tail(run.step[f]) for f in ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running",
+                                          "t_sim_head")}
+    res["t_sim_last_layer"] = tail(out[:, -1]) if out.size else None
+    res["grad_ratio_first_last"] = tail(ratio)
+    res["last_step"] = float(run.steps[-1]) if len(run.steps) else None
+    return res
 
 
 def load_collapse_jsonl(path: str | os.PathLike[str]) -> CollapseRun:
@@ -266,7 +289,7 @@ def fig_grad_norms(run: CollapseRun, window: tuple[float, float]) -> Figure:
     """Fig 5: per-layer gradient norms (log): vs layer, one line per step; and vs step, one line per layer."""
     fig = Figure(layout="constrained", figsize=(13, 4.5))
     axes = fig.subplots(1, 2)
-    grads = run.sublayer_grad()
+    grads = run.layer_grad()
     mask = (run.layer_steps >= window[0]) & (run.layer_steps <= window[1])
     steps = run.layer_steps[mask]
     drawn = False

@@ -61,7 +61,7 @@ class LayerParameters:
         if device not in self._index:
             named = [i for i, g in enumerate(self.groups) if g in GCOL]
             rows = torch.tensor(self.rows, dtype=torch.long)
-            self._index[device] = tuple(t.to(device) for t in (
+            self._index[device] = tuple(t.to(device, non_blocking=True) for t in (
                 rows, torch.full_like(rows, GCOL["total"]), torch.tensor(named, dtype=torch.long),
                 torch.tensor([GCOL[self.groups[i]] for i in named], dtype=torch.long)))
         return self._index[device]

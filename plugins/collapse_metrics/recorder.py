@@ -92,7 +92,8 @@ class Recorder:
         row[COL["resid"]:COL["rms"] + 1].add_(torch.stack([norms[1].sum(), rms.sum()]))
         row[COL["n_tok"]].add_(float(rms.numel()))
         ext = self.buf["rms_ext"][self.buf.row[layer], k]
-        torch.maximum(ext, torch.stack([rms.max(), -rms.min()]), out=ext)
+        low, high = torch.aminmax(rms)
+        torch.maximum(ext, torch.stack([high, -low]), out=ext)
 
     def _add_tsim(self, tensors: list[torch.Tensor], norms: list[torch.Tensor], sums: torch.Tensor,
                   counts: torch.Tensor) -> None:
@@ -129,8 +130,8 @@ class Recorder:
             sum_idx += [sum_off + i for i in range(m) for _ in range(b)]
             count_idx += [count_off + i for i in range(m) for _ in range(b)]
         flat = self.buf.flat
-        flat.index_add_(0, torch.tensor(sum_idx, device=flat.device), tsim)
-        flat.index_add_(0, torch.tensor(count_idx, device=flat.device), torch.ones_like(tsim))
+        for idx, values in ((sum_idx, tsim), (count_idx, torch.ones_like(tsim))):
+            flat.index_add_(0, torch.tensor(idx).to(flat.device, non_blocking=True), values)
 
 
 class _SquaredNormHook:
