@@ -7,8 +7,10 @@ a run. Prints the median block-time ratios against no plugin (targets <= 1.15 an
 
     python benchmarks/collapse_overhead.py [--layers 4 --hidden 256 --seq 256 --micro 4 --accum 2]
 
-On a CPU shared with other jobs use ``--threads 1``: a busy machine makes every multi-threaded
-kernel wait for a descheduled worker thread, which swamps what is being measured.
+Ratios are medians over rounds of (variant block time / no-plugin block time of the same round), on
+the wall clock and on this process's CPU time. On a CPU shared with other jobs read the CPU-time line
+and pass ``--threads 1``: a busy machine makes every multi-threaded kernel wait for a descheduled
+worker thread, which swamps what is being measured.
 """
 
 from __future__ import annotations
@@ -88,33 +90,40 @@ def main() -> None:
         trainer, plugin = build_trainer(b, tb_dir)
         variants = {"none": None, "interval 1": 1, "interval 100": 100}
         steps = dict.fromkeys(variants, 0)
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+        times = {clock: {name: [] for name in variants} for clock in clocks}
 
-        def block(name: str, n: int) -> float:
+        def block(name: str, n: int) -> None:
             interval = variants[name]
             trainer.plugins = [] if interval is None else [plugin]
             plugin.interval = interval or 1
-            start = time.perf_counter()
+            start = {clock: fn() for clock, fn in clocks.items()}
             for _ in range(n):
                 steps[name] += 1
                 float(trainer.train_step(steps[name]))
-            return time.perf_counter() - start
+            for clock, fn in clocks.items():
+                times[clock][name].append(fn() - start[clock])
 
         for name in variants:  # warm-up (allocations, first measured step, first heatmap)
             block(name, 3)
+        for t in times.values():
+            for v in t.values():
+                v.clear()
         names = list(variants)
         for r in range(b.rounds):
             for name in names[r % 3:] + names[:r % 3]:
-                times[name].append(block(name, b.block))
+                block(name, b.block)
         plugin.close()
-        base = times["none"]
-        print(f"no plugin: {statistics.median(base) / b.block * 1e3:.1f} ms/step")
+    for clock, t in times.items():
+        base = t["none"]
+        line = [f"{clock} clock: no plugin {statistics.median(base) / b.block * 1e3:.1f} ms/step"]
         for name, interval in variants.items():
-            if interval is None:
-                continue
-            ratio = statistics.median(t / t0 for t, t0 in zip(times[name], base, strict=True))
-            print(f"{name}: {statistics.median(times[name]) / b.block * 1e3:.1f} ms/step | ratio {ratio:.3f} "
-                  f"(target <= {TARGETS[interval]})")
+            if interval is not None:
+                ratio = statistics.median(x / x0 for x, x0 in zip(t[name], base, strict=True))
+                per_step = statistics.median(t[name]) / b.block * 1e3
+                target = TARGETS[interval]
+                line.append(f"{name} {per_step:.1f} ms/step, ratio {ratio:.3f} (target <= {target})")
+        print(" | ".join(line))
 
 
 if __name__ == "__main__":

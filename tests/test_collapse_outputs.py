@@ -19,10 +19,11 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megapost.model import LlamaModel
 
-LAYER_KEYS = {"step", "layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean",
-              "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer", "grad_norm_norms"}
-STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
-             "transition"}
+LAYER_KEYS = {"step", "layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm",
+              "rms_factor_mean", "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm",
+              "grad_norm_layer", "grad_norm_norms"}
+STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed",
+             "t_sim_head", "transition"}
 
 
 def train(tmp_path, steps, *argv, writer=None):
@@ -40,8 +41,8 @@ def train(tmp_path, steps, *argv, writer=None):
 
 def test_jsonl_and_tensorboard(tmp_path):
     writer = SummaryWriter(str(tmp_path))
-    train(tmp_path, [0, 1, 2, 3, 4], "--collapse-at-init", "--collapse-interval", "2", "--collapse-image-interval",
-          "2", writer=writer)
+    train(tmp_path, [0, 1, 2, 3, 4], "--collapse-at-init", "--collapse-interval", "2",
+          "--collapse-image-interval", "2", writer=writer)
     writer.close()
     lines = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
     assert len(lines) == 3 * (3 * 2 + 1)  # steps 0, 2, 4: 3 layers x 2 sublayers + 1 step record
@@ -73,7 +74,8 @@ def test_jsonl_and_tensorboard(tmp_path):
     regex = charts["t_sim attn y"][0]
     assert {t for t in scalars if re.search(regex, t)} == {f"collapse/t_sim/L0{n}/attn/y" for n in (1, 2, 3)}
     layer_regex = charts["grad_norm layer"][0]
-    assert {t for t in scalars if re.search(layer_regex, t)} == {f"collapse/grad_norm/L0{n}" for n in (1, 2, 3)}
+    layer_tags = {f"collapse/grad_norm/L0{n}" for n in (1, 2, 3)}
+    assert {t for t in scalars if re.search(layer_regex, t)} == layer_tags
 
 
 def test_jsonl_appends_on_resume(tmp_path):
@@ -83,7 +85,8 @@ def test_jsonl_appends_on_resume(tmp_path):
     assert second.running.num_tokens == first.running.num_tokens > 0
     torch.manual_seed(0)
     model = LlamaModel(small_config("pre"))
-    run_step(second, model, 3, random_batches(small_config("pre"), 2, seed=3), torch.optim.SGD(model.parameters()))
+    batches = random_batches(small_config("pre"), 2, seed=3)
+    run_step(second, model, 3, batches, torch.optim.SGD(model.parameters()))
     second.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
     assert steps == [1] * 7 + [2] * 7 + [3] * 7

@@ -17,6 +17,7 @@ the last pipeline stage; the logging rank writes (``writers.py``). Reductions: `
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import torch
@@ -119,14 +120,14 @@ class CollapseMetricsPlugin(Plugin):
     def on_step_end(self, step: int, loss: float) -> None:
         set_listener(self.model, None)
         ps, buf = self.ctx.parallel, self.buf
-        partials = self.recorder.packed_sequence_partials()
+        partials = self.recorder.end_step()
         if partials is not None:
             summed = sum_over_group(partials, ps.tp_group)
             if ps.tp_rank == 0:
                 self.recorder.finish_sequence_parallel(summed)
         labels = self.step_labels
         host = {"labels": labels.counts, "label_seq": [labels.seq_entropy_sum, labels.num_sequences],
-                "loss": [loss, 1.0] if ps.is_logging_rank else [0.0, 0.0]}
+                "loss": [math.nan if loss is None else loss, 1.0] if ps.is_logging_rank else [0.0, 0.0]}
         for part, value in host.items():
             buf[part].copy_(torch.as_tensor(value, dtype=torch.float64), non_blocking=True)
         reduced = buf.unflatten(reduce_buffer(buf))
@@ -140,7 +141,7 @@ class CollapseMetricsPlugin(Plugin):
                                    "seq_entropy_sum": entropy_sum, "num_sequences": int(round(sequences))})
         self.running.merge(step_freq)
         loss_sum, loss_count = reduced["loss"].tolist()
-        loss = loss_sum / loss_count if loss_count else None
+        loss = loss_sum / loss_count if loss_count and math.isfinite(loss_sum) else None
         tsim_head = site_tsim(reduced, "head")
         event = self.detector.update(step, tsim_head, loss) if step > 0 else None
         has_labels = step_freq.num_tokens > 0

@@ -51,16 +51,28 @@ class Recorder:
         self.pending: dict[tuple[Any, ...], int] = defaultdict(int)
         # (flat offset of the first t_sim sum, flat offset of the first count, partials [m, b, d + 2])
         self.sequence_partials: list[tuple[int, int, torch.Tensor]] = []
+        # the last tensor summarised: a sublayer's x is the previous sublayer's out (Post-Norm) or y
+        # (Pre-Norm), the same tensor object, so its token norms and partials are reused
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def begin_step(self) -> None:
         self.pending.clear()
         self.sequence_partials.clear()
+        self._last = None
+
+    def end_step(self) -> torch.Tensor | None:
+        """Release the step's activations; under sequence parallelism return every kept partial as one
+        [rows, d + 2] tensor (the same layout on every TP rank) for ``finish_sequence_parallel``."""
+        self._last = None
+        if not self.sequence_partials:
+            return None
+        return torch.cat([p.reshape(-1, p.shape[-1]) for _, _, p in self.sequence_partials])
 
     # ---- listener ---------------------------------------------------------------------------
     def __call__(self, name: tuple[Any, ...], x: torch.Tensor | None = None, y: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, norm_in: torch.Tensor | None = None) -> None:
-        if name[0] == "layer" and name[1] not in self.buf.row:
-            return
+        if name[0] not in SITES and (name[0] != "layer" or name[1] not in self.buf.row):
+            return  # an unselected layer or a probe this plugin does not know
         if not torch.is_grad_enabled():
             self.pending[name] += 1
             self._record(name, x, y, out, norm_in)
@@ -71,20 +83,28 @@ class Recorder:
             self.pending[name] -= 1
             self._hook(name, x, y)
 
+    def _summary(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token norms, sequence partials) of ``t``."""
+        if self._last is None or self._last[0] is not t:
+            norms = token_norms(t)
+            self._last = (t, norms, sequence_partials(t, norms))
+        return self._last[1], self._last[2]
+
     @torch.no_grad()
     def _record(self, name: tuple[Any, ...], x: torch.Tensor, y: torch.Tensor | None,
                 out: torch.Tensor | None, norm_in: torch.Tensor | None) -> None:
         if name[0] in SITES:
             site = self.buf["site"][SITES.index(name[0])]
-            self._add_tsim([x], [token_norms(x)], site[0:1], site[1:2])
+            self._add_tsim(self._summary(x)[1][None], site[0:1], site[1:2])
             return
         _, layer, sublayer = name
         k = SUBLAYERS.index(sublayer)
         row = self.buf["sub"][self.buf.row[layer], k]
         tensors = [t for t in (x, y, out) if t is not None]
-        norms = [token_norms(t) for t in tensors]
+        norms, partials = zip(*(self._summary(t) for t in tensors), strict=True)
         m = len(tensors)
-        self._add_tsim(tensors, norms, row[COL["tsim_x"]:COL["tsim_x"] + m], row[COL["n_x"]:COL["n_x"] + m])
+        self._add_tsim(torch.stack(partials), row[COL["tsim_x"]:COL["tsim_x"] + m],
+                       row[COL["n_x"]:COL["n_x"] + m])
         u_norms = next((n for t, n in zip(tensors, norms, strict=True) if t is norm_in), None)
         if u_norms is None:
             u_norms = token_norms(norm_in)
@@ -95,10 +115,9 @@ class Recorder:
         low, high = torch.aminmax(rms)
         torch.maximum(ext, torch.stack([high, -low]), out=ext)
 
-    def _add_tsim(self, tensors: list[torch.Tensor], norms: list[torch.Tensor], sums: torch.Tensor,
-                  counts: torch.Tensor) -> None:
-        """Per-sequence t_sim of each tensor into ``sums`` (sum over sequences) and ``counts``."""
-        partials = torch.stack([sequence_partials(t, n) for t, n in zip(tensors, norms, strict=True)])
+    def _add_tsim(self, partials: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """Per-sequence t_sim of each of m tensors (partials [m, b, d + 2]) into ``sums`` (sum over
+        sequences) and ``counts`` (views of m entries); deferred under sequence parallelism."""
         if self.sequence_parallel:
             self.sequence_partials.append((sums.storage_offset(), counts.storage_offset(), partials))
             return
@@ -114,15 +133,9 @@ class Recorder:
                 tensor.register_hook(_SquaredNormHook(row[col], row[count]))
 
     # ---- sequence parallelism -------------------------------------------------------------------
-    def packed_sequence_partials(self) -> torch.Tensor | None:
-        """All kept partials as one [rows, d + 2] tensor (identical layout on every TP rank)."""
-        if not self.sequence_partials:
-            return None
-        return torch.cat([p.reshape(-1, p.shape[-1]) for _, _, p in self.sequence_partials])
-
     @torch.no_grad()
     def finish_sequence_parallel(self, summed: torch.Tensor) -> None:
-        """Add the t_sim of TP-summed partials (rows as in ``packed_sequence_partials``)."""
+        """Add the t_sim of the TP-summed partials (rows as returned by ``end_step``)."""
         tsim = tsim_from_partials(summed).to(torch.float64)
         sum_idx, count_idx = [], []
         for sum_off, count_off, p in self.sequence_partials:

@@ -9,8 +9,8 @@ Per (layer, sublayer) sums, ``SUB`` columns (t_sim sums are over sequences, norm
     n_x, n_y, n_out            number of sequences in each sum
     resid, rms, n_tok          sum_i ||y_i||, sum_i sqrt(d)/||u_i|| (u = RMSNorm input), tokens
     gx, gy, n_gx, n_gy         ||dL/dX_k||_F^2, ||dL/dY_k||_F^2 pooled over micro-batches, hook calls
-Per layer ``GRAD``: squared parameter-gradient norms of attention, FFN, RMSNorm gains, whole layer,
-and the number of parameters that contributed.
+Per layer ``GRAD``: squared parameter-gradient norms of attention, FFN, RMSNorm gains and the whole
+layer, and ``count``, the number of gradient readings (0 on a forward-only step: norms are null).
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ import numpy as np
 from .table import SUBLAYERS
 
 JSONL_NAME = "collapse_metrics.jsonl"
-LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
-                "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer", "grad_norm_norms")
+# JSONL fields after "step": per (layer, sublayer) record, and the step's own record
+LAYER_FIELDS = ("layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean",
+                "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer",
+                "grad_norm_norms")
 STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
                "transition")
 
@@ -128,8 +130,9 @@ class Writers:
         self.measured += 1
         self.heatmap.add(step, layer_records)
         if self.jsonl is not None:
-            lines = [{"step": step, **rec} for rec in layer_records] + [{"step": step, **step_record}]
-            self.jsonl.write("".join(json.dumps({k: finite(v) for k, v in r.items()}) + "\n" for r in lines))
+            lines = [(r, LAYER_FIELDS) for r in layer_records] + [(step_record, STEP_FIELDS)]
+            self.jsonl.write("".join(json.dumps({"step": step, **{f: finite(r[f]) for f in fields}}) + "\n"
+                                     for r, fields in lines))
             self.jsonl.flush()
         if self.writer is None:
             return
