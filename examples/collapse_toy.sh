@@ -48,5 +48,6 @@ for norm in post pre; do
     --data-path "$DATA" --tokenizer-model "$TOKENIZER" \
     --tensorboard-dir "$run/tensorboard" --save "$run/checkpoints" --eval-interval 0 --log-interval 10 \
     --plugins collapse_metrics --collapse-interval "$K" "$@"
-  python tools/plot_collapse.py --run-dir "$run/tensorboard" --out "${FIG_ROOT}_$norm" --window 20
+  python tools/plot_collapse.py --run-dir "$run/tensorboard" --out "${FIG_ROOT}_$norm" --window 20 \
+    --frequency-json "$RUN_ROOT/frequency_loss_all.json"
 done

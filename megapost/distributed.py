@@ -25,6 +25,20 @@ def skip_cpu_shm_op_build() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Make ``timeout`` the default of every process group created from now on.
+
+    ``torch.distributed.new_group()`` without a timeout, which is how DeepSpeed builds the tensor,
+    pipeline and data-parallel groups, takes torch's built-in default (30 min for gloo, 10 for NCCL),
+    not the world group's; a rank that hangs would then stall the others that long, whatever
+    --distributed-timeout-minutes says. torch reads these module defaults at each new_group call.
+    """
+    c10d = torch.distributed.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+
+
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Initialise torch.distributed with a bounded timeout; returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
@@ -39,6 +53,7 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
         skip_cpu_shm_op_build()
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    default_group_timeout(timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
                                verbose=False)
     return device

@@ -1,9 +1,15 @@
-"""The training loop: micro-batches through the DeepSpeed engine, evaluation, logging, checkpoints."""
+"""The training loop: micro-batches through the DeepSpeed engine, evaluation, logging, checkpoints.
+
+Debugging aid: ``MEGAPOST_FAIL_RANK=<global rank>:<iteration>`` makes that rank raise a
+``RuntimeError`` just before it runs that iteration (1-based), to check that a job whose rank dies
+fails as a whole, within ``--distributed-timeout-minutes``, instead of hanging.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +29,18 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list[tuple[int, torch.Tensor, float | None, float]] = field(default_factory=list)
+
+
+def injected_failure() -> tuple[int, int] | None:
+    """``(rank, iteration)`` from ``MEGAPOST_FAIL_RANK=<rank>:<iteration>``, or None when unset."""
+    spec = os.environ.get("MEGAPOST_FAIL_RANK", "").strip()
+    if not spec:
+        return None
+    try:
+        rank, iteration = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"MEGAPOST_FAIL_RANK={spec!r}: expected <global rank>:<iteration>") from None
+    return rank, iteration
 
 
 class PluginBatches:
@@ -59,6 +77,7 @@ class Trainer:
         self.throughput = Throughput(flops_per_token, pstate.world_size, peak_tflops)
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.batches: PluginBatches | None = None
+        self.fail_at = injected_failure()
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -182,6 +201,9 @@ class Trainer:
         self.batches = PluginBatches(self.train_iter_fn(st.consumed_samples), self.pipeline)
         history: dict[str, Any] = {"train_loss": {}, "valid_loss": {}}
         while st.iteration < args.train_iters:
+            if self.fail_at == (self.pstate.global_rank, st.iteration + 1):
+                raise RuntimeError(f"MEGAPOST_FAIL_RANK: rank {self.fail_at[0]} fails at iteration "
+                                      f"{st.iteration + 1} on purpose")
             lr = self.engine.get_lr()[0]
             loss = self.train_step(st.iteration + 1)
             st.iteration += 1

@@ -48,6 +48,7 @@ def test_loader_handles_nulls(tmp_path: Path) -> None:
     assert np.isnan(run.layer["attn"]["t_sim_out"][:, 1]).all()
     assert np.isnan(run.step["freq_loss_seq"]).all()
     assert run.window(10) == (50.0, 75.0)
+    assert load_collapse_jsonl(synthetic_run(tmp_path / "n.jsonl", transition=False)).window(10) == (0, 100)
     grads = run.layer_grad()
     assert np.isnan(grads[0]).all()
     np.testing.assert_allclose(grads[1], np.sqrt(2) * run.layer["attn"]["grad_norm"][1])
@@ -55,9 +56,8 @@ def test_loader_handles_nulls(tmp_path: Path) -> None:
     np.testing.assert_allclose(run.layer_grad()[2], 5.0)
 
 
-@pytest.mark.parametrize("transition", [True, False])
-def test_all_figures_written(tmp_path: Path, transition: bool) -> None:
-    jsonl = synthetic_run(tmp_path / "collapse_metrics.jsonl", transition=transition)
+def test_all_figures_written(tmp_path: Path) -> None:
+    jsonl = synthetic_run(tmp_path / "collapse_metrics.jsonl")
     pngs = plot_collapse_run(jsonl, tmp_path / "figs")
     assert set(pngs) == NAMES
     for png in pngs.values():
@@ -74,7 +74,11 @@ def test_cli_and_sparse_file(tmp_path: Path, monkeypatch) -> None:
     (run_dir / "collapse_metrics.jsonl").write_text(  # only per-step records, mostly null
         json.dumps({"step": 1, "loss": None, "transition": None}) + "\n"
         + json.dumps({"step": 2, "loss": 5.0, "freq_loss_agg": None}) + "\n")
-    assert plot_collapse.main(["--run-dir", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    ref = tmp_path / "freq.json"
+    ref.write_text(json.dumps({"scope": "tokens", "num_tokens": 1000, "aggregated": 6.5}))
+    argv = ["--run-dir", str(run_dir), "--out", str(tmp_path / "out"), "--frequency-json", str(ref)]
+    assert plot_collapse.main(argv) == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["loss"] == 5.0
     assert {p.stem for p in (tmp_path / "out").glob("*.png")} == NAMES
     assert all(p.stat().st_size > 5_000 for p in (tmp_path / "out").glob("*.png"))
     assert plot_collapse.main(["--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2

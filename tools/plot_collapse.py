@@ -29,13 +29,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help=f"the run's --tensorboard-dir ({JSONL}) or the file")
     p.add_argument("--out", required=True, help="folder for the PNGs")
     p.add_argument("--window", type=int, default=50, help="steps either side of the transition")
+    p.add_argument("--frequency-json", action="append", default=[], metavar="PATH",
+                   help="tools/frequency_loss.py output drawn as a reference line in Fig 6 (repeatable)")
     args = p.parse_args(argv)
     path = Path(args.run_dir)
     path = path / JSONL if path.is_dir() else path
     if not path.is_file():
         print(f"error: {path} not found (run with --plugins collapse_metrics?)", file=sys.stderr)
         return 2
-    for name, png in plot_collapse_run(path, args.out, args.window).items():
+    refs = {}
+    for ref in args.frequency_json:
+        res = json.loads(Path(ref).read_text())
+        refs[f"frequency loss: {res['scope']} scope, {res['num_tokens']:,} tokens"] = res["aggregated"]
+    for name, png in plot_collapse_run(path, args.out, args.window, refs).items():
         print(f"{name}: {png}")
     summary = summarize(load_collapse_jsonl(path))
     atomic_write_text(Path(args.out) / "summary.json", json.dumps(summary, indent=1) + "\n")

@@ -111,7 +111,7 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
             axes[0, j].plot(layers, run["predicted"]["mean"]["attn"], color=col, ls="--", lw=1.0)
             t = np.nanmean(np.asarray(run["measured"]["attn"]["t_x"], dtype=float), axis=0)
             axes[1, j].plot(layers, t, color=col, lw=1.5)
-        title = f"{norm.capitalize()}-Norm: attention Δ t_sim, P → P − α Cₙ"
+        title = f"{norm.capitalize()}-Norm: attention Δ t_sim, P → P − α Cₙ (dashed: Cor. 3.3)"
         axes[0, j].set(title=title, xlabel="layer l", ylabel="measured t(Y₁)−t(X₁)")
         axes[0, j].legend(fontsize=7)
         axes[0, j].axhline(0.0, color="grey", lw=0.5)
@@ -315,14 +315,17 @@ def fig_grad_norms(run: CollapseRun, window: tuple[float, float]) -> Figure:
     return fig
 
 
-def fig_loss(run: CollapseRun, window: tuple[float, float]) -> Figure:
-    """Fig 6: training loss against the frequency-loss references, transition window shaded."""
+def fig_loss(run: CollapseRun, window: tuple[float, float],
+             references: dict[str, float] | None = None) -> Figure:
+    """Fig 6: training loss against the frequency-loss references (the step's batch, aggregated and per
+    sequence; the running aggregate of the labels seen; ``references``: fixed values such as a token
+    budget's, drawn as horizontal lines), transition window shaded."""
     fig = Figure(layout="constrained", figsize=(8, 4.5))
     ax = fig.subplots()
     lines = [("loss", "training loss", "k", "-"),
-             ("freq_loss_agg", "frequency loss (aggregated)", "C3", "--"),
-             ("freq_loss_seq", "frequency loss (per sequence)", "C1", ":"),
-             ("freq_loss_running", "frequency loss (running, data seen)", "C2", "-.")]
+             ("freq_loss_agg", "frequency loss: step's batch, aggregated", "C3", "--"),
+             ("freq_loss_seq", "frequency loss: step's batch, per sequence", "C1", ":"),
+             ("freq_loss_running", "frequency loss: labels seen so far", "C2", "-.")]
     drawn = False
     for field, label, col, ls in lines:
         y = run.step[field]
@@ -330,6 +333,9 @@ def fig_loss(run: CollapseRun, window: tuple[float, float]) -> Figure:
         if ok.any():
             ax.plot(run.steps[ok], y[ok], color=col, ls=ls, lw=1.3, label=label)
             drawn = True
+    for i, (label, value) in enumerate((references or {}).items()):
+        ax.axhline(value, color=f"C{4 + i}", ls="--", lw=1.0, label=f"{label}: {value:.3f}")
+        drawn = True
     if np.nan_to_num(run.step["transition"]).any():
         ax.axvspan(*window, color="orange", alpha=0.15, label="transition window")
     if drawn:
@@ -369,8 +375,8 @@ def fig_tsim_heatmap(run: CollapseRun) -> Figure:
     return fig
 
 
-def plot_collapse_run(jsonl: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                      margin: int = 50) -> dict[str, Path]:
+def plot_collapse_run(jsonl: str | os.PathLike[str], out_dir: str | os.PathLike[str], margin: int = 50,
+                      references: dict[str, float] | None = None) -> dict[str, Path]:
     """All training-run figures of one run; returns {name: png path}."""
     run = load_collapse_jsonl(jsonl)
     window = run.window(margin)
@@ -378,7 +384,7 @@ def plot_collapse_run(jsonl: str | os.PathLike[str], out_dir: str | os.PathLike[
         "fig3_alpha": lambda: fig_alpha(run),
         "fig4_contraction": lambda: fig_contraction(run, window),
         "fig5_grad_norms": lambda: fig_grad_norms(run, window),
-        "fig6_loss_vs_frequency": lambda: fig_loss(run, window),
+        "fig6_loss_vs_frequency": lambda: fig_loss(run, window, references),
         "tsim_heatmap": lambda: fig_tsim_heatmap(run),
     }
     return {name: save(make(), Path(out_dir) / f"{name}.png") for name, make in makers.items()}

@@ -54,16 +54,22 @@ class Recorder:
         # the last tensor summarised: a sublayer's x is the previous sublayer's out (Post-Norm) or y
         # (Pre-Norm), the same tensor object, so its token norms and partials are reused
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # counts (sequences, tokens, hook calls) are host numbers: flat offset -> amount
+        self.counts: dict[int, float] = defaultdict(float)
 
     def begin_step(self) -> None:
         self.pending.clear()
         self.sequence_partials.clear()
+        self.counts.clear()
         self._last = None
 
     def end_step(self) -> torch.Tensor | None:
-        """Release the step's activations; under sequence parallelism return every kept partial as one
-        [rows, d + 2] tensor (the same layout on every TP rank) for ``finish_sequence_parallel``."""
+        """Add the host counts to the buffer and release the step's activations. Under sequence
+        parallelism returns every kept partial as one [rows, d + 2] tensor (the same layout on every TP
+        rank) for ``finish_sequence_parallel``."""
         self._last = None
+        if self.counts:
+            self._index_add(list(self.counts), torch.tensor(list(self.counts.values()), dtype=torch.float64))
         if not self.sequence_partials:
             return None
         return torch.cat([p.reshape(-1, p.shape[-1]) for _, _, p in self.sequence_partials])
@@ -110,7 +116,7 @@ class Recorder:
             u_norms = token_norms(norm_in)
         rms = math.sqrt(norm_in.shape[-1]) / u_norms.clamp_min(1e-30)
         row[COL["resid"]:COL["rms"] + 1].add_(torch.stack([norms[1].sum(), rms.sum()]))
-        row[COL["n_tok"]].add_(float(rms.numel()))
+        self.counts[row[COL["n_tok"]].storage_offset()] += rms.numel()
         ext = self.buf["rms_ext"][self.buf.row[layer], k]
         low, high = torch.aminmax(rms)
         torch.maximum(ext, torch.stack([high, -low]), out=ext)
@@ -122,7 +128,8 @@ class Recorder:
             self.sequence_partials.append((sums.storage_offset(), counts.storage_offset(), partials))
             return
         sums.add_(tsim_from_partials(partials).sum(1))
-        counts.add_(float(partials.shape[1]))
+        for i in range(partials.shape[0]):
+            self.counts[counts.storage_offset() + i] += partials.shape[1]
 
     def _hook(self, name: tuple[Any, ...], x: torch.Tensor | None, y: torch.Tensor | None) -> None:
         if name[0] != "layer":
@@ -130,7 +137,7 @@ class Recorder:
         row = self.buf["sub"][self.buf.row[name[1]], SUBLAYERS.index(name[2])]
         for tensor, col, count in ((x, COL["gx"], COL["n_gx"]), (y, COL["gy"], COL["n_gy"])):
             if tensor is not None and tensor.requires_grad:
-                tensor.register_hook(_SquaredNormHook(row[col], row[count]))
+                tensor.register_hook(_SquaredNormHook(row[col], self.counts, row[count].storage_offset()))
 
     # ---- sequence parallelism -------------------------------------------------------------------
     @torch.no_grad()
@@ -142,18 +149,24 @@ class Recorder:
             m, b = p.shape[:2]
             sum_idx += [sum_off + i for i in range(m) for _ in range(b)]
             count_idx += [count_off + i for i in range(m) for _ in range(b)]
+        self._index_add(sum_idx, tsim)
+        self._index_add(count_idx, torch.ones_like(tsim))
+
+    def _index_add(self, offsets: list[int], values: torch.Tensor) -> None:
+        """buf.flat[offsets] += values (host offsets and values are copied without a sync)."""
         flat = self.buf.flat
-        for idx, values in ((sum_idx, tsim), (count_idx, torch.ones_like(tsim))):
-            flat.index_add_(0, torch.tensor(idx).to(flat.device, non_blocking=True), values)
+        flat.index_add_(0, torch.tensor(offsets).to(flat.device, non_blocking=True),
+                        values.to(flat.device, non_blocking=True))
 
 
 class _SquaredNormHook:
-    """Tensor hook: ``total += ||grad||_F^2`` (>= fp32 reduction), ``calls += 1``; leaves grad unchanged."""
+    """Tensor hook: ``total += ||grad||_F^2`` (>= fp32 reduction) and one call counted at ``offset``;
+    leaves the gradient unchanged."""
 
-    def __init__(self, total: torch.Tensor, calls: torch.Tensor) -> None:
-        self.total, self.calls = total, calls
+    def __init__(self, total: torch.Tensor, counts: dict[int, float], offset: int) -> None:
+        self.total, self.counts, self.offset = total, counts, offset
 
     @torch.no_grad()
     def __call__(self, grad: torch.Tensor) -> None:
         self.total.add_(norm(grad).square())
-        self.calls.add_(1.0)
+        self.counts[self.offset] += 1
