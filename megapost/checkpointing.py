@@ -44,11 +44,11 @@ def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
     client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": rng_state(),
               "plugins": plugin_states,
               "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
-    engine.save_checkpoint(args.save, tag=tag, client_state=client)
-    if engine.global_rank == 0:
+    if engine.global_rank == 0:  # before DeepSpeed writes 'latest', so a loadable tag always has it
         meta = {"tag": tag, "iteration": iteration, **_layout(args)}
         with atomic_path(os.path.join(args.save, tag, META_FILE)) as tmp, open(tmp, "w") as f:
             json.dump(meta, f)
+    engine.save_checkpoint(args.save, tag=tag, client_state=client)
     return tag
 
 

@@ -15,6 +15,7 @@ import torch
 
 from . import engine_hooks
 from .arguments import ConfigError, parse_args, validate_args
+from .checkpointing import check_layout
 from .data import (
     DataError,
     IndexedDataset,
@@ -106,6 +107,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     args = parse_args(argv, classes)
     user_ds = reconcile_with_user_config(args)
     validate_args(args, world_size_from_env())
+    if args.load:  # a checkpoint of another TP/PP layout: every rank stops here, before any group forms
+        check_layout(args)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     check_data(args, tokenizer)
 
