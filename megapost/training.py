@@ -132,7 +132,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.args.eval_iters):
             if self.pipeline:
-                total += self._dp_mean(self.engine.eval_batch(data_iter=batches).detach().float())
+                # the last stage returns a 0-d loss, the others DeepSpeed's broadcast copy of shape [1]
+                loss = self.engine.eval_batch(data_iter=batches).detach().float()
+                total += self._dp_mean(loss)
             else:
                 self.engine.eval()
                 total += self._micro_losses(batches, backward=False)

@@ -39,9 +39,14 @@ def _flags(data, **overrides) -> list[str]:
                                      **overrides})
 
 
-def _losses(tb: Path) -> list[float]:
-    values = read_scalars(tb, "train/lm_loss")
+def _losses(tb: Path, tag: str = "train/lm_loss") -> list[float]:
+    values = read_scalars(tb, tag)
     return [values[s] for s in sorted(values)]
+
+
+def _example_flags(data) -> list[str]:
+    """With validation every 2 steps (the pipeline engine's eval_batch path)."""
+    return _flags(data, **{"--eval-interval": 2, "--eval-iters": 1})
 
 
 class Job:
@@ -118,14 +123,20 @@ _reference: dict[str, list[float]] = {}
 
 
 @pytest.fixture
-def example_reference(tiny_data, tmp_path_factory) -> list[float]:
-    """Per-step losses of the example on one process (bash re-executes it with Python), computed once."""
-    if "example" not in _reference:
-        out = tmp_path_factory.mktemp("reference")
-        run(["bash", EXAMPLE, *_flags(tiny_data)], MEGAPOST_RUN_DIR=str(out))
-        _reference["example"] = _losses(out / "postnorm" / "tensorboard")
-        assert len(_reference["example"]) == ITERS
-    return _reference["example"]
+def example_reference(tiny_data, tmp_path_factory) -> dict[str, list[float]]:
+    """Per-step train and validation losses of the example on one process (bash re-executes it with
+    Python), computed once."""
+    if not _reference:
+        tb = tmp_path_factory.mktemp("reference") / "postnorm" / "tensorboard"
+        run(["bash", EXAMPLE, *_example_flags(tiny_data)], MEGAPOST_RUN_DIR=str(tb.parent.parent))
+        _reference.update(train=_losses(tb), valid=_losses(tb, "valid/lm_loss"))
+        assert len(_reference["train"]) == ITERS and len(_reference["valid"]) == ITERS // 2
+    return _reference
+
+
+def _assert_same_losses(tb: Path, reference: dict[str, list[float]]) -> None:
+    assert _losses(tb) == pytest.approx(reference["train"], rel=1e-5)
+    assert _losses(tb, "valid/lm_loss") == pytest.approx(reference["valid"], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- 1. multi-node
@@ -133,7 +144,7 @@ def example_reference(tiny_data, tmp_path_factory) -> list[float]:
 
 def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) -> None:
     """(TP,PP,DP)=(2,1,2) over two 'nodes': TP pairs inside a node, the DP all-reduce across them."""
-    flags = _flags(tiny_data, **{"--tensor-model-parallel-size": 2})
+    flags = [*_example_flags(tiny_data), "--tensor-model-parallel-size", "2"]
     jobs = _two_nodes(tmp_path, [EXAMPLE, *flags], MEGAPOST_RUN_DIR=str(tmp_path / "run"))
     _wait(jobs, 300)
     node0, node1 = (job.text() for job in jobs)
@@ -142,8 +153,7 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
         assert f"nnodes=2, num_local_procs=2, node_rank={node}" in log and "dist_world_size=4" in log
     assert "{'localhost': [0, 1], '127.0.0.1': [2, 3]}" in node0  # DeepSpeed's global_rank_mapping
     assert "(TP,PP,DP)=(2,1,2)" in node1  # the logging rank is the last one, global rank 3 on node 1
-    losses = _losses(tmp_path / "run" / "postnorm" / "tensorboard")
-    assert losses == pytest.approx(example_reference, rel=1e-5)
+    _assert_same_losses(tmp_path / "run" / "postnorm" / "tensorboard", example_reference)
 
 
 # ----------------------------------------------------------------------------- 2. the example at (2,2,1)
@@ -151,9 +161,9 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
 
 def test_example_at_tp2_pp2(tiny_data, tmp_path, example_reference) -> None:
     out = run(_deepspeed(4, [EXAMPLE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                             "2", *_flags(tiny_data)]), MEGAPOST_RUN_DIR=str(tmp_path))
+                             "2", *_example_flags(tiny_data)]), MEGAPOST_RUN_DIR=str(tmp_path))
     assert "(TP,PP,DP)=(2,2,1)" in out.stdout
-    assert _losses(tmp_path / "postnorm" / "tensorboard") == pytest.approx(example_reference, rel=1e-5)
+    _assert_same_losses(tmp_path / "postnorm" / "tensorboard", example_reference)
     ckpt = tmp_path / "postnorm" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == f"iter_{ITERS:07d}"
     assert '"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2' in (
