@@ -133,7 +133,7 @@ class Trainer:
         for _ in range(self.args.eval_iters):
             if self.pipeline:
                 # the last stage returns a 0-d loss, the others DeepSpeed's broadcast copy of shape [1]
-                loss = self.engine.eval_batch(data_iter=batches).detach().float()
+                loss = self.engine.eval_batch(data_iter=batches).detach().float().reshape(())
                 total += self._dp_mean(loss)
             else:
                 self.engine.eval()
@@ -205,7 +205,7 @@ class Trainer:
         while st.iteration < args.train_iters:
             if self.fail_at == (self.pstate.global_rank, st.iteration + 1):
                 raise RuntimeError(f"MEGAPOST_FAIL_RANK: rank {self.fail_at[0]} fails at iteration "
-                                      f"{st.iteration + 1} on purpose")
+                                   f"{st.iteration + 1} on purpose")
             lr = self.engine.get_lr()[0]
             loss = self.train_step(st.iteration + 1)
             st.iteration += 1

@@ -40,7 +40,7 @@ def records(tb: Path) -> dict[tuple, dict]:
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=[] if name in ("tp2-sp", "dp2") else [pytest.mark.slow]) for name in LAYOUTS])
+    pytest.param(name, marks=[] if name == "tp2-sp" else [pytest.mark.slow]) for name in LAYOUTS])
 def test_layout_matches_single_process(tiny_data, tmp_path_factory, layout):
     tmp = tmp_path_factory.mktemp("collapse-layouts")
     ref = records(train(tiny_data, tmp, "single"))

@@ -76,9 +76,10 @@ def test_cli_and_sparse_file(tmp_path: Path, monkeypatch) -> None:
         + json.dumps({"step": 2, "loss": 5.0, "freq_loss_agg": None}) + "\n")
     ref = tmp_path / "freq.json"
     ref.write_text(json.dumps({"scope": "tokens", "num_tokens": 1000, "aggregated": 6.5}))
-    argv = ["--run-dir", str(run_dir), "--out", str(tmp_path / "out"), "--frequency-json", str(ref)]
+    argv = ["--run-dir", str(run_dir), "--out", str(tmp_path / "out"), "--frequency-json", str(ref),
+            "--summary", str(tmp_path / "summary.json")]
     assert plot_collapse.main(argv) == 0
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["loss"] == 5.0
+    assert json.loads((tmp_path / "summary.json").read_text())["loss"] == 5.0
     assert {p.stem for p in (tmp_path / "out").glob("*.png")} == NAMES
     assert all(p.stat().st_size > 5_000 for p in (tmp_path / "out").glob("*.png"))
     assert plot_collapse.main(["--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2

@@ -4,9 +4,9 @@
 
 Writes fig3_alpha.png (alpha_k^l over steps), fig4_contraction.png (sqrt(d)/||y|| and c around the
 transition window), fig5_grad_norms.png (per-layer gradient norms, log), fig6_loss_vs_frequency.png and
-tsim_heatmap.png, and summary.json (loss vs frequency loss, last-layer t_sim, layer-1/layer-L
-gradient-norm ratio over the last measured steps). The window is the steps flagged ``transition``
-+/- --window, or the whole run.
+tsim_heatmap.png, and prints (--summary: writes) the loss vs the frequency losses, the last-layer
+t_sim and the layer-1/layer-L gradient-norm ratio over the last measured steps. The window is the
+steps flagged ``transition`` +/- --window, or the whole run.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help=f"the run's --tensorboard-dir ({JSONL}) or the file")
     p.add_argument("--out", required=True, help="folder for the PNGs")
     p.add_argument("--window", type=int, default=50, help="steps either side of the transition")
+    p.add_argument("--summary", metavar="PATH", help="also write the printed summary as JSON here")
     p.add_argument("--frequency-json", action="append", default=[], metavar="PATH",
                    help="tools/frequency_loss.py output drawn as a reference line in Fig 6 (repeatable)")
     args = p.parse_args(argv)
@@ -44,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, png in plot_collapse_run(path, args.out, args.window, refs).items():
         print(f"{name}: {png}")
     summary = summarize(load_collapse_jsonl(path))
-    atomic_write_text(Path(args.out) / "summary.json", json.dumps(summary, indent=1) + "\n")
+    if args.summary:
+        atomic_write_text(args.summary, json.dumps(summary, indent=1) + "\n")
     print("last measured steps: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if v is not None))
     return 0
 
