@@ -10,12 +10,13 @@ from launch_utils import pretrain
 
 
 def _run(norm: str, prefix: str, tokenizer: str, out) -> tuple[list[dict], dict]:
-    pretrain(["--norm-position", norm, "--num-layers", "12", "--hidden-size", "64",
-              "--ffn-hidden-size", "192", "--num-attention-heads", "4", "--seq-length", "128",
-              "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "60", "--lr", "1e-2", "--min-lr", "1e-3",
-              "--lr-warmup-iters", "0", "--init-variance", "paper", "--seed", "1234", "--data-path", prefix,
-              "--tokenizer-model", tokenizer, "--tensorboard-dir", str(out), "--eval-interval", "0",
-              "--plugins", "collapse_metrics", "--collapse-interval", "10"])
+    flags = {"--norm-position": norm, "--num-layers": 12, "--hidden-size": 64, "--ffn-hidden-size": 192,
+             "--num-attention-heads": 4, "--seq-length": 128, "--micro-batch-size": 8,
+             "--global-batch-size": 8, "--train-iters": 60, "--lr": 1e-2, "--min-lr": 1e-3,
+             "--lr-warmup-iters": 0, "--init-variance": "paper", "--seed": 1234, "--data-path": prefix,
+             "--tokenizer-model": tokenizer, "--tensorboard-dir": out, "--eval-interval": 0,
+             "--plugins": "collapse_metrics", "--collapse-interval": 10}
+    pretrain([str(x) for item in flags.items() for x in item])
     records = [json.loads(line) for line in (out / "collapse_metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     layers = {(r["step"], r["layer"], r["sublayer"]): r for r in records if "layer" in r}
