@@ -237,6 +237,22 @@ def test_hung_rank_times_out(tiny_data, tmp_path) -> None:
     assert 30 <= ended - stopped < 120, f"job took {ended - stopped:.1f} s to end after the hang"
 
 
+@pytest.mark.slow
+def test_node_that_never_joins_times_out(tiny_data, tmp_path) -> None:
+    """Only node 0 of the two-node hostfile starts: the rendezvous gives up after the timeout."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
+    cmd = ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0", "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "--module", "megapost.pretrain",
+           *_failing_flags(tiny_data)]
+    start = time.monotonic()
+    proc = run(cmd, check=False, timeout=180)
+    elapsed = time.monotonic() - start
+    print(f"node 0 alone ended after {elapsed:.1f} s")
+    assert proc.returncode != 0 and "2/4 clients joined" in proc.stdout + proc.stderr
+    assert elapsed < 120
+
+
 def test_new_groups_take_the_distributed_timeout(tmp_path) -> None:
     """Groups DeepSpeed creates (new_group without a timeout) get --distributed-timeout-minutes."""
     code = """
