@@ -22,64 +22,16 @@ import sys
 import tempfile
 import time
 
-import deepspeed
 import torch
+from bench_common import add_model_args, build_trainer
 from collapse_metrics.plugin import CollapseMetricsPlugin
-from train_step import synthetic_batches
-
-from megapost import engine_hooks
-from megapost.arguments import parse_args, validate_args
-from megapost.distributed import init_distributed
-from megapost.ds_config import build_ds_config
-from megapost.monitor import Monitor
-from megapost.optimizer import build_optimizer
-from megapost.parallel import build_model, initialize_parallel
-from megapost.plugins import PluginContext
-from megapost.pretrain import model_config_from_args
-from megapost.schedule import WarmupDecaySchedule
-from megapost.training import PluginBatches, Trainer
 
 TARGETS = {1: 1.15, 100: 1.01}
 
 
-def build_trainer(b: argparse.Namespace, tb_dir: str) -> tuple[Trainer, CollapseMetricsPlugin]:
-    args = parse_args(["--num-layers", str(b.layers), "--hidden-size", str(b.hidden), "--ffn-hidden-size",
-                       str(3 * b.hidden), "--seq-length", str(b.seq), "--micro-batch-size", str(b.micro),
-                       "--global-batch-size", str(b.micro * b.accum), "--tokenizer-model", __file__,
-                       "--data-path", "unused", "--lr", "1e-4", "--tensorboard-dir", tb_dir,
-                       "--plugins", "collapse_metrics"], [CollapseMetricsPlugin])
-    try:
-        validate_args(args, 1)
-    except SystemExit as e:  # only the data path is missing: the benchmark uses synthetic batches
-        assert "--data-path" in str(e), e
-    device = init_distributed(args)
-    pstate = initialize_parallel(1, 1, False)
-    cfg = model_config_from_args(args, b.vocab)
-    model, loss_fn = build_model(cfg, pstate)
-    monitor = Monitor(tb_dir, enabled=True)
-    plugin = CollapseMetricsPlugin(PluginContext(args, cfg, pstate, tb_dir, monitor.writer))
-    plugin.on_model_built(model)
-    opt = build_optimizer(model, args)
-    sched = WarmupDecaySchedule(opt, args.lr, 0.0, 0, 10**6, "constant")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                      config=build_ds_config(args, {}))
-    trainer = Trainer(args, engine, loss_fn, pstate, None, None, [plugin], monitor, cfg.flops_per_token(),
-                      1.0, device)
-    engine_hooks.install(engine, trainer.before_optimizer_step)
-    trainer.batches = PluginBatches(synthetic_batches(cfg.vocab_size, b.micro, b.seq), pipeline=False)
-    print(f"model {cfg.num_parameters() / 1e6:.1f}M params, {b.layers}x{b.hidden}, seq {b.seq}, "
-          f"batch {b.micro}x{b.accum}, threads {torch.get_num_threads()}")
-    return trainer, plugin
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_model_args(p)
     p.add_argument("--block", type=int, default=100, help="optimizer steps per timed block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -87,7 +39,8 @@ def main() -> None:
     if b.threads:
         torch.set_num_threads(b.threads)
     with tempfile.TemporaryDirectory(prefix="collapse-overhead-") as tb_dir:
-        trainer, plugin = build_trainer(b, tb_dir)
+        trainer, _, _ = build_trainer(b, ["--plugins", "collapse_metrics"], [CollapseMetricsPlugin], tb_dir)
+        plugin = trainer.plugins[0]
         variants = {"none": None, "interval 1": 1, "interval 100": 100}
         steps = dict.fromkeys(variants, 0)
         clocks = {"wall": time.perf_counter, "cpu": time.process_time}
