@@ -164,7 +164,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except DataError as e:
+    except (DataError, FloatingPointError) as e:  # bad data or a non-finite loss: one line, exit 1
         raise SystemExit(f"error: {e}") from None
 
 

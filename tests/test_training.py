@@ -110,3 +110,11 @@ def test_paper_preset_is_the_paper_recipe_and_flags_override() -> None:
                       num_attention_heads=4, seq_length=2048)
     # 163.6M in the blocks + 2 x 16.4M untied embedding/head with Llama-2's 32k vocab ("~180M")
     assert cfg.num_parameters() == 196_395_008
+
+
+def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
+    proc = pretrain(tiny_model_flags(tiny_data, **{"--lr": 1e12, "--lr-warmup-iters": 0, "--clip-grad": 0,
+                                                   "--train-iters": 8}), check=False)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training loss is") and "--lr" in last, proc.stderr[-2000:]
