@@ -28,7 +28,7 @@ from .throughput import Throughput, memory_gb
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
-    losses: list[tuple[int, torch.Tensor, float | None, float]] = field(default_factory=list)
+    losses: list[tuple[int, torch.Tensor, Any, float]] = field(default_factory=list)
 
 
 def injected_failure() -> tuple[int, int] | None:
@@ -168,7 +168,7 @@ class Trainer:
             tokens = step * self.tokens_per_step
             scalars = {"lm_loss": loss, "lr": lr}
             if grad_norm is not None:
-                scalars["grad_norm"] = grad_norm
+                scalars["grad_norm"] = float(grad_norm)
             self.monitor.scalars("train", scalars, step, tokens)
         for value in values:
             if not math.isfinite(value):
@@ -180,7 +180,7 @@ class Trainer:
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
         _, _, grad_norm, lr = st.losses[-1]
-        gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+        gn = f"{float(grad_norm):.3f}" if grad_norm is not None else "n/a"
         self.monitor.line(
             f" iteration {st.iteration:6d}/{args.train_iters} | consumed samples {st.consumed_samples} | "
             f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
@@ -190,9 +190,11 @@ class Trainer:
         )
         st.losses = []
 
-    def _grad_norm(self) -> float | None:
+    def _grad_norm(self) -> Any:
+        """The engine's global grad norm as it keeps it (a device tensor on some paths): converted
+        only at log time, so a step costs no extra host sync."""
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        return norm.detach() if isinstance(norm, torch.Tensor) else norm
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
