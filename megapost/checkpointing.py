@@ -45,7 +45,8 @@ def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
               "plugins": plugin_states,
               "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
     if engine.global_rank == 0:  # before DeepSpeed writes 'latest', so a loadable tag always has it
-        meta = {"tag": tag, "iteration": iteration, **_layout(args)}
+        meta = {"tag": tag, "iteration": iteration, **_layout(args),
+                "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage}
         with atomic_path(os.path.join(args.save, tag, META_FILE)) as tmp, open(tmp, "w") as f:
             json.dump(meta, f)
     engine.save_checkpoint(args.save, tag=tag, client_state=client)
@@ -72,6 +73,13 @@ def check_layout(args: argparse.Namespace) -> None:
                 "(python -m deepspeed.checkpoint.ds_to_universal --input_folder <tag dir> --output_folder "
                 "<out>) and load that with a universal-checkpoint-aware loader"
             )
+    saved_dp, zero = meta.get("data_parallel_size"), max(meta.get("zero_stage", 0), args.zero_stage)
+    if saved_dp is not None and saved_dp != args.data_parallel_size and zero >= 1:
+        raise ConfigError(
+            f"--load {args.load} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks but this "
+            f"run has {args.data_parallel_size}; resume with {saved_dp} x TP x PP ranks (or convert with "
+            "python -m deepspeed.checkpoint.ds_to_universal)"
+        )
 
 
 def load(engine: Any, args: argparse.Namespace) -> tuple[int, int, dict[str, Any]]:

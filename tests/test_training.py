@@ -118,3 +118,22 @@ def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: training loss is") and "--lr" in last, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
+def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_zero, zero, refused) -> None:
+    from megapost.arguments import ConfigError
+    from megapost.checkpointing import META_FILE, check_layout
+
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest").write_text("iter_0000002")
+    meta = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 2,
+            "zero_stage": saved_zero}
+    (tmp_path / "iter_0000002" / META_FILE).write_text(json.dumps(meta))
+    args = parse_args(["--load", str(tmp_path), "--zero-stage", str(zero)])
+    args.data_parallel_size = 1
+    if refused:
+        with pytest.raises(ConfigError, match="ZeRO optimizer shards for 2 data-parallel ranks"):
+            check_layout(args)
+    else:
+        check_layout(args)  # ZeRO-0 checkpoints hold full optimizer state: any DP size may resume
