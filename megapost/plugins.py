@@ -7,7 +7,7 @@ The trainer never imports a plugin; it calls these methods at fixed points. On s
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -28,7 +28,6 @@ class PluginContext:
     parallel: ParallelState
     tensorboard_dir: str | None
     writer: Any = None  # torch.utils.tensorboard.SummaryWriter on the logging rank, else None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Plugin:
