@@ -13,7 +13,7 @@ import torch
 from megapost import engine_hooks
 from megapost.arguments import parse_args, validate_args
 from megapost.distributed import init_distributed
-from megapost.ds_config import build_ds_config
+from megapost.ds_config_builder import build_ds_config
 from megapost.model import ModelConfig
 from megapost.monitor import Monitor
 from megapost.optimizer import build_optimizer

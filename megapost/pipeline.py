@@ -21,7 +21,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 
 from megapost.model import Embedding, Head, ModelConfig, TransformerBlock
 from megapost.model.init import init_block_
-from megapost.parallel.checkpointing import checkpoint_without_probes
+from megapost.parallel.activation_checkpoint import checkpoint_without_probes
 from megapost.parallel.parallelize import parallelize_block, parallelize_embedding, parallelize_head
 from megapost.parallel.state import ParallelState
 

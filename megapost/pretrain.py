@@ -15,7 +15,7 @@ import torch
 
 from . import engine_hooks
 from .arguments import ConfigError, parse_args, validate_args
-from .checkpointing import check_layout
+from .checkpoint_io import check_layout
 from .data import (
     DataError,
     IndexedDataset,
@@ -24,7 +24,7 @@ from .data import (
     build_train_valid_test_datasets,
 )
 from .distributed import init_distributed, world_size_from_env
-from .ds_config import build_ds_config, reconcile_with_user_config
+from .ds_config_builder import build_ds_config, reconcile_with_user_config
 from .model import ModelConfig
 from .monitor import Monitor
 from .optimizer import build_optimizer

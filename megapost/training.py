@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpointing
+from . import checkpoint_io
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
@@ -240,12 +240,12 @@ class Trainer:
 
     def save(self) -> None:
         states = {p.name: p.state_dict() for p in self.plugins}
-        tag = checkpointing.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
+        tag = checkpoint_io.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
                                  states)
         self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
 
     def load(self) -> None:
-        it, consumed, states = checkpointing.load(self.engine, self.args)
+        it, consumed, states = checkpoint_io.load(self.engine, self.args)
         self.state.iteration, self.state.consumed_samples = it, consumed
         for plugin in self.plugins:
             if plugin.name in states:

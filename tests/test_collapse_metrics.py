@@ -22,7 +22,7 @@ from collapse_metrics.table import parse_layers
 from torch.utils.checkpoint import checkpoint
 
 from megapost.model import LlamaModel, Probe, set_listener
-from megapost.parallel.checkpointing import checkpoint_without_probes
+from megapost.parallel.activation_checkpoint import checkpoint_without_probes
 
 FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
           "rms_factor_max", "alpha", "c")

@@ -87,7 +87,7 @@ def test_tokenizer_vocab_must_cover_dataset(tiny_data, tmp_path, capsys) -> None
 
 
 def test_deepspeed_config_values_are_adopted_when_flags_are_not_typed(tmp_path) -> None:
-    from megapost.ds_config import reconcile_with_user_config
+    from megapost.ds_config_builder import reconcile_with_user_config
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 1}}))
@@ -123,7 +123,7 @@ def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
 @pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
 def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_zero, zero, refused) -> None:
     from megapost.arguments import ConfigError
-    from megapost.checkpointing import META_FILE, check_layout
+    from megapost.checkpoint_io import META_FILE, check_layout
 
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "latest").write_text("iter_0000002")

@@ -13,7 +13,7 @@ Call order on every rank::
 """
 
 from .build import ParallelLlamaModel, build_model, make_loss_fn
-from .ds_config import deepspeed_config_errors, deepspeed_config_overrides
+from .ds_layout_config import deepspeed_config_errors, deepspeed_config_overrides
 from .gather import full_state_dict
 from .layout import layout_errors, padded_vocab_size, validate_layout
 from .mpu import MPU, make_mpu

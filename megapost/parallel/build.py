@@ -10,7 +10,7 @@ from torch import nn
 
 from megapost.model import Embedding, Head, ModelConfig, build_block
 
-from .checkpointing import checkpoint_without_probes
+from .activation_checkpoint import checkpoint_without_probes
 from .cross_entropy import vocab_parallel_lm_loss
 from .layout import validate_layout
 from .parallelize import parallelize_block, parallelize_embedding, parallelize_head

@@ -16,7 +16,7 @@ Which forward calls count (activation checkpointing, forward-only steps). Per pr
     otherwise it repeats a forward already recorded (non-reentrant recompute) and is ignored.
 So each micro-batch is counted once, from its first forward, and gradients come from the forward
 whose graph the backward actually traverses. A recompute that is hidden from the listener (as
-``megapost.parallel.checkpointing`` does for the non-reentrant checkpoint) needs nothing.
+``megapost.parallel.activation_checkpoint`` does for the non-reentrant checkpoint) needs nothing.
 
 Under sequence parallelism x, y, out are sequence shards [b, s/tp, d]: token sums and gradient
 squared norms are additive over the tensor-parallel ranks as they are, while t_sim needs the
