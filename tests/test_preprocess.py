@@ -214,3 +214,44 @@ def test_prepare_default_data(tmp_path: Path) -> None:
     with open(prefix + ".bin", "r+b") as f:  # a damaged output is not taken as done
         f.truncate(100)
     assert not outputs_valid(prefix, tokenizer_path)
+
+
+def test_null_field_and_skipped_line_examples(tiny_data, tmp_path: Path) -> None:
+    path = tmp_path / "nulls.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": null}\n')
+    with pytest.raises(DataError, match=rf"{path}:2: field 'text' is null"):
+        _run([str(path)], tmp_path / "out", tiny_data)
+    lines = [b'{"text": "ok"}'] + [b'{"text": null}', b"{bad", b'{"title": "x"}'] * 3
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    stats = preprocess([str(path)], output_prefix=tmp_path / "out", tokenizer_model=tiny_data.tokenizer_model,
+                       skip_bad_lines=True, progress=False, log=None)
+    summary = stats.summary().splitlines()
+    assert stats.skipped_lines == 9 and "skipped bad lines: 9" in summary[1]
+    assert summary[2] == "first 5 skipped (4 more not shown):"
+    assert summary[3:] == [f"  {path}:2: field 'text' is null", f"  {path}:3: malformed JSON "
+                           "(Expecting property name enclosed in double quotes at column 2)",
+                           f"  {path}:4: field 'text' is missing", f"  {path}:5: field 'text' is null",
+                           f"  {path}:6: malformed JSON (Expecting property name enclosed in double quotes "
+                           "at column 2)"]
+
+
+def test_rerun_removes_stale_temporaries_of_dead_writers(tiny_data, tmp_path: Path) -> None:
+    """A killed run leaves ``.<out>.bin.tmp-<pid>``; the next run removes it, not a live writer's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        stale = tmp_path / f".out_text_document.bin.tmp-{dead_pid}"
+        stale_idx = tmp_path / f".out_text_document.idx.tmp-{dead_pid}"
+        alive = tmp_path / f".out_text_document.bin.tmp-{live.pid}"
+        other = tmp_path / f".unrelated.bin.tmp-{dead_pid}"
+        for p in (stale, stale_idx, alive, other):
+            p.write_bytes(b"\0" * 1000)
+        _run(list(tiny_data.shards), tmp_path / "out", tiny_data)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted([alive.name, other.name, "out_text_document.bin", "out_text_document.idx",
+                                "out_text_document.tokenizer.json"])
+    finally:
+        live.kill()
+        live.wait()

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from megapost.data.errors import DataError
-from megapost.utils.atomic import temp_path_for
+from megapost.utils.atomic import lock_temp, remove_stale_temps, temp_path_for
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -72,7 +72,8 @@ class IndexedDatasetBuilder:
 
     Tokens stream to a hidden temp file; ``finalize`` writes the index beside it and renames both
     (``.bin`` first, ``.idx`` last).  Used as a context manager it finalizes on success and removes
-    the temp files on an exception.
+    the temp files on an exception.  Temps of earlier writers that died (``remove_stale_temps``) are
+    removed first.
     """
 
     def __init__(self, prefix: str | os.PathLike[str], dtype: np.dtype | type = np.int32) -> None:
@@ -82,9 +83,12 @@ class IndexedDatasetBuilder:
         self._bin_path = data_file_path(self.prefix)
         self._idx_path = index_file_path(self.prefix)
         self._bin_path.parent.mkdir(parents=True, exist_ok=True)
+        for final in (self._bin_path, self._idx_path):  # left by killed runs, which no one else removes
+            remove_stale_temps(final)
         self._bin_tmp = temp_path_for(self._bin_path)
         self._idx_tmp = temp_path_for(self._idx_path)
         self._bin = open(self._bin_tmp, "wb")  # closed by finalize/abort
+        lock_temp(self._bin)
         self._lengths: list[int] = []
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.num_tokens = 0

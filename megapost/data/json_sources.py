@@ -157,7 +157,12 @@ def parse_record(record: bytes | dict[str, Any], keys: Sequence[str], where: str
     for key in keys:
         value = record.get(key)
         if not isinstance(value, str):
-            problem = "missing" if value is None else f"a {type(value).__name__}, not a string"
+            if key not in record:
+                problem = "missing"
+            elif value is None:
+                problem = "null"
+            else:
+                problem = f"a {type(value).__name__}, not a string"
             raise DataError(f"{where}: field {key!r} is {problem}")
         texts[key] = value
     return texts

@@ -29,6 +29,7 @@ from megapost.data.tokenizer import SentencePieceTokenizer
 
 # A record's result: token arrays per key, or the one-line reason it is bad.
 RecordResult = dict[str, np.ndarray] | str
+BAD_LINE_EXAMPLES = 5  # skipped lines quoted (file:line: reason) in the summary
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -56,6 +57,11 @@ class PreprocessStats:
             f"skipped bad lines: {self.skipped_lines:,}; input {self.input_bytes / 1e6:.1f} MB "
             f"in {self.seconds:.1f} s"
         )
+        if self.bad_line_examples:
+            more = self.skipped_lines - len(self.bad_line_examples)
+            hidden = f" ({more:,} more not shown)" if more else ""
+            lines.append(f"first {len(self.bad_line_examples)} skipped{hidden}:")
+            lines.extend(f"  {example}" for example in self.bad_line_examples)
         return "\n".join(lines)
 
 
@@ -222,7 +228,7 @@ def _write_results(
             if not skip_bad_lines:
                 raise DataError(f"{result}; fix the line or pass --skip-bad-lines")
             stats.skipped_lines += 1
-            if len(stats.bad_line_examples) < 5:
+            if len(stats.bad_line_examples) < BAD_LINE_EXAMPLES:
                 stats.bad_line_examples.append(result)
             continue
         for key, tokens in result.items():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +17,67 @@ def temp_path_for(final_path: str | os.PathLike[str]) -> Path:
     """The temp name used for ``final_path``: ``.<name>.tmp-<pid>`` in the same directory."""
     final = Path(final_path)
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+logger = logging.getLogger(__name__)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _unlocked(path: Path) -> bool:
+    """No process holds an flock on ``path`` (writers that stream for long hold one, see lock_temp)."""
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return False
+    return True
+
+
+def lock_temp(f: object) -> None:
+    """Hold an exclusive flock on an open temp file while writing it: ``remove_stale_temps`` on another
+    host (where our pid means nothing) then still leaves it alone. Released when the file closes."""
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]
+
+
+def remove_stale_temps(final_path: str | os.PathLike[str]) -> list[Path]:
+    """Delete ``.<name>.tmp-<pid>`` files beside ``final_path`` left by writers that died (killed runs).
+
+    A temp is stale when its pid is not a live process on this host, it is not ours, and no process
+    holds a lock on it; anything else is kept. Returns what was removed (each logged once).
+    """
+    final = Path(final_path)
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.tmp-(\d+)$")
+    removed = []
+    try:
+        candidates = list(final.parent.iterdir())
+    except OSError:
+        return removed
+    for path in candidates:
+        m = pattern.match(path.name)
+        if not m or not path.is_file():
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid) or not _unlocked(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            size = path.stat().st_size
+            path.unlink()
+            removed.append(path)
+            logger.warning("removed stale temporary %s (%.1f MB; its writer, pid %d, is gone)",
+                           path, size / 1e6, pid)
+    return removed
 
 
 def _fsync(path: Path) -> None:
