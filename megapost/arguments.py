@@ -91,17 +91,26 @@ def _io_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir")
     g.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="peak TFLOP/s of one device for MFU (0: measured bf16/fp32 matmul peak)")
+                   help="peak TFLOP/s of one device for MFU (0: the datasheet table for known GPUs, "
+                   "else a measured matmul peak cached per machine)")
     g.add_argument("--plugins", default="", help="comma-separated plugin names (entry points)")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="DeepSpeed JSON; values it shares with flags must agree")
     g.add_argument("--deepspeed", action="store_true", help="accepted for launcher compatibility")
 
 
+def _trust_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data identity and MFU peak")
+    g.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="train although --data-path's .tokenizer.json names another tokenizer (a warning)")
+    g.add_argument("--remeasure-peak", action="store_true",
+                   help="re-measure the CPU matmul peak for MFU instead of reusing ~/.cache/megapost")
+
+
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("megapost-pretrain", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args):
+    for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args):
         add(p)
     for cls in plugin_classes:
         cls.add_arguments(p)

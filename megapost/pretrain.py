@@ -23,6 +23,7 @@ from .data import (
     build_data_iterator,
     build_train_valid_test_datasets,
 )
+from .data.tokenizer_sidecar import check_tokenizer_sidecar
 from .distributed import init_distributed, world_size_from_env
 from .ds_config_builder import build_ds_config, reconcile_with_user_config
 from .model import ModelConfig
@@ -57,8 +58,12 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
 
 
 def check_data(args: argparse.Namespace, tokenizer: SentencePieceTokenizer) -> IndexedDataset:
-    """The dataset must have been tokenized with a vocabulary this tokenizer covers."""
+    """The dataset must have been tokenized with this tokenizer (its sidecar says so, see
+    data/tokenizer_sidecar.py) or, without a sidecar, with a vocabulary this tokenizer covers."""
     indexed = IndexedDataset(args.data_path)
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda _line: None)  # once, not per rank
+    check_tokenizer_sidecar(args.data_path, tokenizer, len(indexed), indexed.num_tokens,
+                            args.allow_tokenizer_mismatch, say)
     head = np.asarray(indexed.get(0, 0, min(int(indexed.sequence_lengths[0]), 1 << 20)))
     sample = [head] + [np.asarray(indexed[i]) for i in range(1, min(len(indexed), 64))]
     top = max(int(s.max()) for s in sample if s.size)

@@ -26,6 +26,7 @@ from megapost.data.errors import DataError
 from megapost.data.indexed_dataset import IndexedDataset
 from megapost.data.preprocess import output_prefix_for, preprocess
 from megapost.data.tokenizer import SentencePieceTokenizer
+from megapost.data.tokenizer_sidecar import sidecar_path, write_sidecar
 from megapost.utils.atomic import atomic_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +135,8 @@ def prepare_default_data(
 ) -> tuple[str, str]:
     """Build (once) the default corpus under ``data_dir`` (default ``<repo>/data``).
 
-    Writes ``news/c4-news.*.json.gz``, ``tokenizer.model`` and ``news_text_document.bin/.idx``;
+    Writes ``news/c4-news.*.json.gz``, ``tokenizer.model`` and ``news_text_document.bin/.idx`` (with its
+    ``.tokenizer.json`` sidecar);
     returns (prefix, tokenizer path).  Safe to call from many ranks at once (file lock); quick when
     the outputs are already there and valid.
     """
@@ -142,11 +144,15 @@ def prepare_default_data(
     prefix, tokenizer_path = default_outputs(data)
     say = log or (lambda _msg: None)
     ready = f"default corpus ready: {prefix}.bin/.idx, tokenizer {tokenizer_path}"
-    if outputs_valid(prefix, tokenizer_path):  # fast path, no lock needed (works on read-only folders too)
+    has_sidecar = sidecar_path(prefix).is_file()
+    if has_sidecar and outputs_valid(prefix, tokenizer_path):  # fast path, no lock (read-only folders too)
         say(ready)
         return prefix, str(tokenizer_path)
     with _file_lock(data / ".prepare.lock"):
         if outputs_valid(prefix, tokenizer_path):  # another process built it while we waited
+            if not sidecar_path(prefix).is_file():  # built before sidecars existed: record it now
+                ds = IndexedDataset(prefix)
+                write_sidecar(prefix, SentencePieceTokenizer(tokenizer_path), len(ds), ds.num_tokens)
             say(ready)
             return prefix, str(tokenizer_path)
         start = time.perf_counter()

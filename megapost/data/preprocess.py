@@ -26,6 +26,7 @@ from megapost.data.json_sources import (
     record_size,
 )
 from megapost.data.tokenizer import SentencePieceTokenizer
+from megapost.data.tokenizer_sidecar import sidecar_path, write_sidecar
 
 # A record's result: token arrays per key, or the one-line reason it is bad.
 RecordResult = dict[str, np.ndarray] | str
@@ -50,7 +51,7 @@ class PreprocessStats:
     def summary(self) -> str:
         lines = [
             f"{key}: {self.documents[key]:,} documents, {self.tokens[key]:,} tokens "
-            f"({self.empty_documents[key]:,} empty skipped) -> {self.outputs[key]}.bin/.idx"
+            f"({self.empty_documents[key]:,} empty skipped) -> {self.outputs[key]}.bin/.idx/.tokenizer.json"
             for key in self.outputs
         ]
         lines.append(
@@ -153,7 +154,8 @@ def preprocess(
 
     Document order follows the inputs (globs sorted) whatever ``workers`` is.  A bad record (invalid
     UTF-8, malformed JSON, missing key) raises DataError naming file:line unless ``skip_bad_lines``,
-    which counts it.  Documents without tokens are skipped.  Outputs appear only when complete.
+    which counts it.  Documents without tokens are skipped.  Outputs appear only when complete; each
+``.bin``/``.idx`` pair gets a ``.tokenizer.json`` sidecar naming the tokenizer (tokenizer_sidecar).
     """
     if not inputs and hf_dataset is None:
         raise DataError("no input given; pass --input FILE/GLOB or --hf-dataset NAME")
@@ -200,8 +202,10 @@ def preprocess(
                     f"empty corpus: no document with text in field {k!r} was found in the inputs "
                     f"({stats.skipped_lines} bad lines skipped); check --input and --json-keys"
                 )
-        for builder in builders.values():
+        for k, builder in builders.items():
+            sidecar_path(outputs[k]).unlink(missing_ok=True)  # never pair new data with an old record
             builder.finalize()
+            write_sidecar(outputs[k], tokenizer, stats.documents[k], stats.tokens[k])
     except BaseException:
         for builder in builders.values():
             if not builder.closed:

@@ -1,0 +1,84 @@
+"""Data that cannot silently change: the tokenizer sidecar beside a dataset, checksummed index caches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from launch_utils import run, tiny_model_flags
+
+from megapost.data import DataError, IndexedDataset, SentencePieceTokenizer, train_tokenizer
+from megapost.data.tokenizer_sidecar import file_sha256, read_sidecar, sidecar_path
+from megapost.pretrain import check_data
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tiny_data, tmp_path_factory) -> str:
+    """Another tokenizer whose vocabulary (520) covers the tiny data's ids: only the sidecar tells them
+    apart."""
+    out = tmp_path_factory.mktemp("other_tok") / "other"
+    return str(train_tokenizer(list(tiny_data.shards), out, vocab_size=520, byte_fallback=False))
+
+
+def _args(data_path: str, tokenizer_model: str, allow: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(data_path=data_path, tokenizer_model=tokenizer_model,
+                              allow_tokenizer_mismatch=allow)
+
+
+def test_preprocessing_records_the_tokenizer(tiny_data) -> None:
+    record = read_sidecar(tiny_data.prefix)
+    tok = SentencePieceTokenizer(tiny_data.tokenizer_model)
+    assert record is not None and record["tokenizer"] == {
+        "type": "sentencepiece", "model_sha256": file_sha256(tiny_data.tokenizer_model),
+        "vocab_size": tok.vocab_size, "eod": tok.eod, "model_file": Path(tiny_data.tokenizer_model).name}
+    assert (record["num_documents"], record["num_tokens"]) == (tiny_data.num_documents, tiny_data.num_tokens)
+
+
+def test_mismatched_tokenizer_is_refused_unless_allowed(tiny_data, other_tokenizer, capsys) -> None:
+    other, right = SentencePieceTokenizer(other_tokenizer), SentencePieceTokenizer(tiny_data.tokenizer_model)
+    check_data(_args(tiny_data.prefix, tiny_data.tokenizer_model), right)
+    assert capsys.readouterr().out == ""  # the right tokenizer: silent
+    with pytest.raises(DataError) as err:
+        check_data(_args(tiny_data.prefix, other_tokenizer), other)
+    message = str(err.value)
+    assert "\n" not in message and "--allow-tokenizer-mismatch" in message
+    assert "(vocab 512, eod 2, sha256 " in message and "(vocab 520, eod 2, sha256 " in message
+    check_data(_args(tiny_data.prefix, other_tokenizer, allow=True), other)
+    assert "training anyway (--allow-tokenizer-mismatch)" in capsys.readouterr().out
+
+
+def test_training_refuses_and_megatron_data_trains_with_a_note(tiny_data, other_tokenizer, tmp_path) -> None:
+    """Through the real CLI: a one-line refusal; a dataset without sidecar (as Megatron-LM writes them)
+    trains, with one note."""
+    flags = tiny_model_flags(tiny_data, **{"--train-iters": 1, "--peak-tflops": 1,
+                                           "--tokenizer-model": other_tokenizer})
+    proc = run([sys.executable, "-m", "megapost.pretrain", *flags], check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --data-path {tiny_data.prefix} was tokenized with sentencepiece"), last
+    megatron = tmp_path / "megatron_text_document"
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(tiny_data.prefix + ext, str(megatron) + ext)
+    flags = tiny_model_flags(tiny_data, **{"--train-iters": 1, "--peak-tflops": 1, "--data-path": megatron})
+    proc = run([sys.executable, "-m", "megapost.pretrain", *flags], timeout=300)
+    notes = [ln for ln in proc.stdout.splitlines() if "has no megatron_text_document.tokenizer.json" in ln]
+    assert len(notes) == 1 and "iteration      1/1" in proc.stdout
+
+
+def test_stale_or_damaged_sidecar(tiny_data, tmp_path, capsys) -> None:
+    prefix = str(tmp_path / "copy")
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(tiny_data.prefix + ext, prefix + ext)
+    record = json.loads(sidecar_path(tiny_data.prefix).read_text())
+    tok = SentencePieceTokenizer(tiny_data.tokenizer_model)
+    sidecar_path(prefix).write_text(json.dumps({**record, "num_documents": 3}))
+    check_data(_args(prefix, tiny_data.tokenizer_model), tok)
+    assert "the record is stale and ignored" in capsys.readouterr().out
+    sidecar_path(prefix).write_text("{")
+    with pytest.raises(DataError, match=r"copy.tokenizer.json: unreadable tokenizer record"):
+        check_data(_args(prefix, tiny_data.tokenizer_model), tok)
+    assert len(IndexedDataset(prefix)) == tiny_data.num_documents
