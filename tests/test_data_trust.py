@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from launch_utils import run, tiny_model_flags
 
-from megapost.data import DataError, IndexedDataset, SentencePieceTokenizer, train_tokenizer
-from megapost.data.tokenizer_sidecar import file_sha256, read_sidecar, sidecar_path
+from megapost.data import (
+    DataError,
+    IndexedDataset,
+    SentencePieceTokenizer,
+    build_train_valid_test_datasets,
+    train_tokenizer,
+)
+from megapost.data.tokenizer_sidecar import read_sidecar, sidecar_path
 from megapost.pretrain import check_data
+from megapost.utils.checksum import file_sha256
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +91,49 @@ def test_stale_or_damaged_sidecar(tiny_data, tmp_path, capsys) -> None:
     with pytest.raises(DataError, match=r"copy.tokenizer.json: unreadable tokenizer record"):
         check_data(_args(prefix, tiny_data.tokenizer_model), tok)
     assert len(IndexedDataset(prefix)) == tiny_data.num_documents
+
+
+def _flip(path: Path, position: int, mask: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[position] ^= mask
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("kind,position,mask", [
+    ("sample_index", -5, 0x01),     # one bit of an offset: before the checksum, silently other data
+    ("sample_index", -1, 0x40),     # a high byte: before the checksum, an IndexError
+    ("shuffle_index", -3, 0x10),
+    ("document_index", -4, 0x02),
+])
+def test_corrupted_index_cache_is_rebuilt_with_a_warning(tiny_data, tmp_path, caplog, kind, position,
+                                                         mask) -> None:
+    """A flipped bit in a real cached .npy is detected by its SHA-256, named, and rebuilt: the samples
+    equal a fresh build's."""
+    def build(cache):
+        return build_train_valid_test_datasets(tiny_data.prefix, "9,1,0", seq_length=16, seed=3,
+                                               train_valid_test_num_samples=(300, 20, 0), cache_dir=cache)[0]
+
+    fresh = build(None)
+    cached = build(tmp_path)
+    path = cached.cache_paths(tmp_path)[kind]
+    _flip(path, position, mask)
+    with caplog.at_level(logging.WARNING, logger="megapost.data.gpt_dataset"):
+        rebuilt = build(tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"train: cached sample indices {path} does not match the SHA-256 in "
+                        f"{path.name.split('-')[0]}.json; rebuilding them"]
+    assert all(np.array_equal(rebuilt[i]["tokens"], fresh[i]["tokens"]) for i in range(len(fresh)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megapost.data.gpt_dataset"):
+        again = build(tmp_path)  # the rebuilt cache is trusted again, silently
+    assert not caplog.records and np.array_equal(again.sample_index, fresh.sample_index)
+
+
+def test_index_cache_description_names_its_inputs(tiny_data, tmp_path) -> None:
+    ds = build_train_valid_test_datasets(tiny_data.prefix, "1", seq_length=16, seed=3,
+                                         train_valid_test_num_samples=(50, 0, 0), cache_dir=tmp_path)[0]
+    description = json.loads(ds.cache_paths(tmp_path)["description"].read_text())
+    assert description["built_from"]["seq_length"] == 16 and description["built_from"]["seed"] == 3
+    assert description["built_from"]["num_samples"] == 50 and description["name"] == "train"
+    assert description["corpus_tokens"] == tiny_data.num_tokens
+    assert description["sha256"]["sample_index"] == file_sha256(ds.cache_paths(tmp_path)["sample_index"])

@@ -19,6 +19,8 @@ from conftest import write_jsonl
 
 from megapost.data import DataError, IndexedDataset, SentencePieceTokenizer, preprocess
 from megapost.data.default_corpus import outputs_valid, prepare_default_data
+from megapost.data.tokenizer_sidecar import read_sidecar, sidecar_path
+from megapost.utils.checksum import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -209,6 +211,14 @@ def test_prepare_default_data(tmp_path: Path) -> None:
     assert prepare_default_data(tmp_path, log=None) == (prefix, tokenizer_path)
     assert time.perf_counter() - start < min(1.0, build_seconds / 3)
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == stamps  # idempotent: nothing rewritten
+
+    record = read_sidecar(prefix)  # the default corpus names its tokenizer too
+    assert record["tokenizer"]["vocab_size"] == 32000 and record["tokenizer"]["eod"] == 2
+    assert record["tokenizer"]["model_sha256"] == file_sha256(tokenizer_path)
+    sidecar_path(prefix).unlink()  # a corpus built before sidecars existed gets one, without a rebuild
+    assert prepare_default_data(tmp_path, log=None) == (prefix, tokenizer_path)
+    bin_path = Path(prefix + ".bin")
+    assert read_sidecar(prefix) == record and bin_path.stat().st_mtime_ns == stamps[bin_path]
 
     assert outputs_valid(prefix, tokenizer_path)
     with open(prefix + ".bin", "r+b") as f:  # a damaged output is not taken as done

@@ -22,6 +22,7 @@ from megapost.data.gpt_indices import (
 )
 from megapost.data.indexed_dataset import IndexedDataset
 from megapost.utils.atomic import atomic_save_npy, atomic_write_text
+from megapost.utils.checksum import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class GPTDataset:
 
     The split's documents are concatenated over as many epochs as needed (each epoch shuffled), cut
     into samples that overlap by one token, and the samples shuffled.  With ``cache_dir`` the three
-    index arrays are stored as ``.npy`` files keyed by a hash of everything that determines them.
+    index arrays are stored as ``.npy`` files keyed by a hash of everything that determines them; a
+    file that no longer matches its recorded SHA-256 is rebuilt with a warning, never trained on.
     ``dataset[i]`` is ``{"tokens": int64 array of seq_length + 1}``.
     """
 
@@ -80,7 +82,7 @@ class GPTDataset:
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir)
 
     def _hash(self, sizes: np.ndarray) -> str:
-        description = {
+        self.built_from = {
             "format_version": INDEX_FORMAT_VERSION,
             "corpus_documents": self.indexed.num_documents,
             "doc_ids_sha256": _sha256(self.doc_ids),
@@ -89,10 +91,11 @@ class GPTDataset:
             "num_samples": self.num_samples,
             "seed": self.seed,
         }
-        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.built_from, sort_keys=True).encode()).hexdigest()
 
     def cache_paths(self, cache_dir: str | os.PathLike[str]) -> dict[str, Path]:
-        """The cache files: one ``.npy`` per index array plus a ``.json`` description."""
+        """The cache files: one ``.npy`` per index array plus a ``.json`` description that holds the
+        SHA-256 of each ``.npy`` file and what the arrays were built from."""
         base = f"{self.name}_{self.hash[:24]}"
         paths = {kind: Path(cache_dir) / f"{base}-{kind}.npy" for kind in _INDEX_KINDS}
         paths[_DESCRIPTION] = Path(cache_dir) / f"{base}.json"
@@ -101,14 +104,11 @@ class GPTDataset:
     def _load_or_build(self, cache_dir: str | os.PathLike[str] | None) -> tuple[np.ndarray, ...]:
         paths = self.cache_paths(cache_dir) if cache_dir is not None else None
         if paths is not None and all(p.is_file() for p in paths.values()):
-            try:
-                arrays = tuple(np.load(paths[k], mmap_mode="r", allow_pickle=False) for k in _INDEX_KINDS)
-                if self._consistent(*arrays):
-                    logger.info("%s: loaded sample indices from %s", self.name, paths["sample_index"])
-                    return arrays
-            except (OSError, ValueError):
-                pass
-            logger.warning("%s: cached sample indices unreadable, rebuilding", self.name)
+            problem, arrays = self._load_verified(paths)
+            if arrays is not None:
+                logger.info("%s: loaded sample indices from %s", self.name, paths["sample_index"])
+                return arrays
+            logger.warning("%s: cached sample indices %s; rebuilding them", self.name, problem)
         start = time.perf_counter()
         arrays = self._build()
         if paths is not None:
@@ -117,10 +117,33 @@ class GPTDataset:
             description = {
                 "prefix": self.indexed.prefix, "name": self.name, "hash": self.hash, "seed": self.seed,
                 "seq_length": self.seq_length, "num_samples": self.num_samples, "num_epochs": self.num_epochs,
+                "corpus_tokens": self.indexed.num_tokens, "built_from": self.built_from,
+                "sha256": {kind: file_sha256(paths[kind]) for kind in _INDEX_KINDS},
             }
             atomic_write_text(paths[_DESCRIPTION], json.dumps(description, indent=1) + "\n")
         logger.info("%s: built sample indices in %.2fs", self.name, time.perf_counter() - start)
         return arrays
+
+    def _load_verified(self, paths: dict[str, Path]) -> tuple[str, tuple[np.ndarray, ...] | None]:
+        """The cached arrays if every file matches the checksum its description records (and the
+        description is this dataset's); else what is wrong, naming the file."""
+        try:
+            description = json.loads(paths[_DESCRIPTION].read_text(encoding="utf-8"))
+            recorded = description["sha256"]
+            if description.get("built_from") != self.built_from:
+                return f"{paths[_DESCRIPTION]} describes other inputs", None
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{paths[_DESCRIPTION]} is unreadable or has no checksums", None
+        for kind in _INDEX_KINDS:
+            if recorded.get(kind) != file_sha256(paths[kind]):
+                return f"{paths[kind]} does not match the SHA-256 in {paths[_DESCRIPTION].name}", None
+        try:
+            arrays = tuple(np.load(paths[k], mmap_mode="r", allow_pickle=False) for k in _INDEX_KINDS)
+        except (OSError, ValueError):
+            return f"{paths['sample_index']} (or a sibling) is unreadable", None
+        if not self._consistent(*arrays):
+            return f"{paths['sample_index']} (or a sibling) has the wrong shape", None
+        return "", arrays
 
     def _consistent(self, document_index: np.ndarray, sample_index: np.ndarray, shuffle: np.ndarray) -> bool:
         return (

@@ -7,7 +7,6 @@ refuse data tokenized with another tokenizer.  Datasets made elsewhere (Megatron
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 from megapost.data.errors import DataError
 from megapost.data.tokenizer import SentencePieceTokenizer
 from megapost.utils.atomic import atomic_write_text
+from megapost.utils.checksum import file_sha256
 
 SIDECAR_SUFFIX = ".tokenizer.json"
 SIDECAR_VERSION = 1
@@ -24,14 +24,6 @@ _IDENTITY_KEYS = ("type", "model_sha256", "vocab_size", "eod")
 
 def sidecar_path(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(prefix)}{SIDECAR_SUFFIX}")
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenizer_identity(tokenizer: SentencePieceTokenizer) -> dict[str, Any]:
