@@ -20,7 +20,7 @@ from bench_common import add_model_args, build_trainer, synthetic_batches
 
 from megapost.model import LlamaModel, lm_loss
 from megapost.optimizer import build_optimizer
-from megapost.throughput import measure_matmul_tflops
+from megapost.peak_flops import measure_matmul_tflops
 
 
 def bare_step(model, optimizer, batches, accum: int, clip: float, dtype: torch.dtype) -> None:

@@ -38,9 +38,9 @@ from .parallel import (
     padded_vocab_size,
     validate_layout,
 )
+from .peak_flops import resolve_peak
 from .plugins import PluginContext, plugin_classes
 from .schedule import WarmupDecaySchedule
-from .throughput import measure_matmul_tflops
 from .training import Trainer
 from .utils.atomic import atomic_path
 
@@ -145,15 +145,16 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=make_mpu(pstate) if args.pipeline_model_parallel_size == 1 else None,
     )
-    peak = args.peak_tflops or measure_matmul_tflops(torch.bfloat16 if args.bf16 else torch.float32, device)
+    peak = resolve_peak(args.peak_tflops, torch.bfloat16 if args.bf16 else torch.float32, device,
+                        args.remeasure_peak)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
-                      model_cfg.flops_per_token(), peak, device)
+                      model_cfg.flops_per_token(), peak.tflops, device)
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
     monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
-                 f"grad accum {args.grad_accum_steps}, peak {peak:.2f} TFLOP/s/device")
+                 f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
     if pstate.is_logging_rank and args.tensorboard_dir:
         with atomic_path(os.path.join(args.tensorboard_dir, "args.json")) as tmp, open(tmp, "w") as f:
             json.dump({k: v for k, v in vars(args).items() if k != "explicit"}, f, indent=1, default=str)

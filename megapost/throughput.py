@@ -9,24 +9,6 @@ import time
 import torch
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 2048, reps: int = 5) -> float:
-    """Achieved TFLOP/s of a square matmul on this device (the machine's practical peak)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm up
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.matmul(a, b)
-    _sync(device)
-    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def memory_gb(device: torch.device) -> float:
     """Max allocated on GPU, else peak RSS of this process."""
     if device.type == "cuda":

@@ -76,6 +76,7 @@ def test_training_refuses_and_megatron_data_trains_with_a_note(tiny_data, other_
     proc = run([sys.executable, "-m", "megapost.pretrain", *flags], timeout=300)
     notes = [ln for ln in proc.stdout.splitlines() if "has no megatron_text_document.tokenizer.json" in ln]
     assert len(notes) == 1 and "iteration      1/1" in proc.stdout
+    assert "peak 1 TFLOP/s/device (--peak-tflops)" in proc.stdout  # the start-up line names its source
 
 
 def test_stale_or_damaged_sidecar(tiny_data, tmp_path, capsys) -> None:

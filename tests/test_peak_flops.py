@@ -1,0 +1,78 @@
+"""The MFU peak: datasheet table by device name, --peak-tflops, and the cached CPU measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megapost import peak_flops
+from megapost.peak_flops import Peak, cache_file, resolve_peak, table_peak
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name,precision,tflops,entry", [
+    ("NVIDIA A100-SXM4-40GB", "bf16", 312.0, "NVIDIA A100"),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156.0, "NVIDIA A100"),
+    ("NVIDIA A100 80GB PCIe", "fp32", 19.5, "NVIDIA A100"),
+    ("NVIDIA A100-PCIE-40GB", "bf16", 312.0, "NVIDIA A100"),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.5, "NVIDIA H100 SXM"),
+    ("NVIDIA H100 PCIe", "bf16", 756.5, "NVIDIA H100 PCIe"),
+    ("NVIDIA H100 NVL", "bf16", 835.5, "NVIDIA H100 NVL"),
+    ("NVIDIA H200", "bf16", 989.5, "NVIDIA H200 SXM"),
+    ("NVIDIA H200 NVL", "bf16", 835.5, "NVIDIA H200 NVL"),
+    ("NVIDIA GH200 480GB", "bf16", 989.5, "NVIDIA GH200"),
+    ("NVIDIA L40S", "bf16", 362.05, "NVIDIA L40S"),
+    ("NVIDIA A10", "bf16", 125.0, "NVIDIA A10"),
+    ("NVIDIA RTX A6000", "fp32", 38.7, "NVIDIA RTX A6000"),
+    ("Tesla V100-SXM2-32GB", "fp32", 15.7, "NVIDIA V100 SXM2"),
+    ("Tesla V100-PCIE-16GB", "fp32", 14.0, "NVIDIA V100 PCIe"),
+    ("AMD Instinct MI250X", "bf16", 191.5, "AMD Instinct MI250X (one GCD)"),
+    ("AMD Instinct MI300X", "bf16", 1307.4, "AMD Instinct MI300X"),
+])
+def test_table_lookup_by_device_name(name: str, precision: str, tflops: float, entry: str) -> None:
+    peak = table_peak(name, precision)
+    assert peak == Peak(tflops, f"table: {name} = {entry} {precision} dense")
+    assert peak.describe() == f"{tflops:.4g} TFLOP/s/device (table: {name} = {entry} {precision} dense)"
+
+
+def test_unknown_devices_and_precisions_are_not_guessed() -> None:
+    assert table_peak("NVIDIA A10G", "bf16") is None  # not the A10
+    assert table_peak("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 units: measure instead
+
+
+def test_peak_tflops_flag_wins(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", lambda *a: pytest.fail("measured"))
+    assert resolve_peak(123.0, torch.bfloat16, CPU) == Peak(123.0, "--peak-tflops")
+    assert not cache_file().exists()
+
+
+def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake_measure(dtype, device):
+        calls.append(dtype)
+        return {torch.float32: 0.5, torch.bfloat16: 1.25}[dtype] * len(calls)
+
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", fake_measure)
+    first = resolve_peak(0.0, torch.bfloat16, CPU)
+    assert first.tflops == 1.25
+    assert "measured bf16 matmul on this CPU, best of 9 runs, cached in" in first.source
+    again = resolve_peak(0.0, torch.bfloat16, CPU)
+    assert again.tflops == 1.25 and calls == [torch.bfloat16]  # reused, not measured again
+    date = json.loads(cache_file().read_text()).popitem()[1]["date"]
+    assert f"cached {date} in {cache_file()}; --remeasure-peak to renew" in again.source
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 1.0  # another dtype: its own entry
+    assert resolve_peak(0.0, torch.bfloat16, CPU, remeasure=True).tflops == 3 * 1.25
+    assert resolve_peak(0.0, torch.bfloat16, CPU).tflops == 3 * 1.25 and len(calls) == 3
+    assert len(json.loads(cache_file().read_text())) == 2
+
+
+def test_measurement_is_the_best_of_several_runs() -> None:
+    tflops = peak_flops.measure_matmul_tflops(torch.float32, CPU, sizes=(64, 128), reps=2)
+    assert 0 < tflops < 100
