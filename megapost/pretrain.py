@@ -26,6 +26,7 @@ from .data import (
 from .data.tokenizer_sidecar import check_tokenizer_sidecar
 from .distributed import init_distributed, world_size_from_env
 from .ds_config_builder import build_ds_config, reconcile_with_user_config
+from .hang_report import CollectiveFailure
 from .model import ModelConfig
 from .monitor import Monitor
 from .optimizer import build_optimizer
@@ -170,7 +171,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (DataError, FloatingPointError) as e:  # bad data or a non-finite loss: one line, exit 1
+    except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite loss, a
+        # hung or dead rank: one line, exit 1
         raise SystemExit(f"error: {e}") from None
 
 

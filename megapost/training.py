@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_io
+from .hang_report import Heartbeat, explain, heartbeat_interval, is_collective_error
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
@@ -198,6 +199,25 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Run the loop; a collective that times out or loses a peer ends it with a CollectiveFailure
+        naming the collective and the ranks that stopped answering (hang_report)."""
+        heartbeat = None
+        if self.pstate.world_size > 1 and "MASTER_ADDR" in os.environ:
+            heartbeat = Heartbeat(self.pstate.global_rank, self.pstate.world_size,
+                                  lambda: self.state.iteration,
+                                  heartbeat_interval(self.args.distributed_timeout_minutes))
+        try:
+            return self._train()
+        except RuntimeError as e:
+            if heartbeat is None or not is_collective_error(e):
+                raise
+            raise explain(e, self.pstate.global_rank, self.state.iteration + 1,
+                          self.args.distributed_timeout_minutes, heartbeat) from None
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+
+    def _train(self) -> dict[str, Any]:
         args, st = self.args, self.state
         self._start_iteration = st.iteration
         if st.iteration == 0:
