@@ -78,8 +78,8 @@ class Heartbeat:
         return out
 
     def silent_ranks(self) -> str:
-        """``rank(s) 1 (had finished iteration 2) stopped answering``, ``every rank still answers``, or why
-        that cannot be told."""
+        """``rank(s) 1 (last heartbeat at iteration 2) stopped answering``, ``every rank still
+        answers``, or why that cannot be told."""
         try:
             first = self.read()
             time.sleep(1.5 * self.interval)
@@ -90,7 +90,7 @@ class Heartbeat:
         me = second[self.rank][1]
         silent = [r for r in second if r != self.rank and second[r][0] == first[r][0]]
         if silent:
-            described = ", ".join(f"{r} (had finished iteration {second[r][1]})" for r in silent)
+            described = ", ".join(f"{r} (last heartbeat at iteration {second[r][1]})" for r in silent)
             return f"rank(s) {described} stopped answering: stopped, killed or frozen"
         behind = [r for r in second if second[r][1] < me]
         if behind:

@@ -44,8 +44,8 @@ def test_survivor_names_the_collective_and_the_frozen_rank() -> None:
     message, _ = run_ranks(_rank_1_freezes, 2, timeout=180)
     assert message.startswith("rank 0: all_reduce over ranks [0, 1] (called from tests/test_hang_report.py:")
     assert message.endswith("_rank_1_freezes) timed out after 0.05 min (--distributed-timeout-minutes) at "
-                            "iteration 8; rank(s) 1 (had finished iteration 7) stopped answering: stopped, "
-                            "killed or frozen")
+                            "iteration 8; rank(s) 1 (last heartbeat at iteration 7) stopped answering: "
+                            "stopped, killed or frozen")
 
 
 def test_heartbeat_interval_scales_with_the_timeout() -> None:
