@@ -99,6 +99,17 @@ class Heartbeat:
         return "every rank still answers"
 
 
+def start_heartbeat(rank: int, world_size: int, progress: Callable[[], int],
+                    timeout_minutes: float) -> Heartbeat | None:
+    """A Heartbeat for a multi-rank job whose rendezvous store is MASTER_ADDR:MASTER_PORT, else None."""
+    if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        return Heartbeat(rank, world_size, progress, heartbeat_interval(timeout_minutes))
+    except Exception:  # noqa: BLE001 - another rendezvous (file://, ...): no report, training goes on
+        return None
+
+
 def _frames(tb: TracebackType | None) -> list[FrameType]:
     frames = []
     while tb is not None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_io
-from .hang_report import Heartbeat, explain, heartbeat_interval, is_collective_error
+from .hang_report import explain, is_collective_error, start_heartbeat
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
@@ -201,11 +201,8 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run the loop; a collective that times out or loses a peer ends it with a CollectiveFailure
         naming the collective and the ranks that stopped answering (hang_report)."""
-        heartbeat = None
-        if self.pstate.world_size > 1 and "MASTER_ADDR" in os.environ:
-            heartbeat = Heartbeat(self.pstate.global_rank, self.pstate.world_size,
-                                  lambda: self.state.iteration,
-                                  heartbeat_interval(self.args.distributed_timeout_minutes))
+        heartbeat = start_heartbeat(self.pstate.global_rank, self.pstate.world_size,
+                                    lambda: self.state.iteration, self.args.distributed_timeout_minutes)
         try:
             return self._train()
         except RuntimeError as e:
