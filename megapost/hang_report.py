@@ -155,6 +155,6 @@ def explain(exc: BaseException, rank: int, iteration: int, timeout_minutes: floa
     if any(m in text for m in _TIMEOUT_MARKERS):
         how = f"timed out after {timeout_minutes:g} min (--distributed-timeout-minutes)"
     else:
-        how = "failed: a peer closed its connection (that rank died; its own error is above)"
+        how = "failed: a peer closed its connection (that rank died or was killed)"
     who = heartbeat.silent_ranks() if heartbeat is not None else "no heartbeat to tell which rank"
     return CollectiveFailure(f"rank {rank}: {what} {how} at iteration {iteration}; {who}")
