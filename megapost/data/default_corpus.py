@@ -144,15 +144,15 @@ def prepare_default_data(
     prefix, tokenizer_path = default_outputs(data)
     say = log or (lambda _msg: None)
     ready = f"default corpus ready: {prefix}.bin/.idx, tokenizer {tokenizer_path}"
-    has_sidecar = sidecar_path(prefix).is_file()
-    if has_sidecar and outputs_valid(prefix, tokenizer_path):  # fast path, no lock (read-only folders too)
+    if outputs_valid(prefix, tokenizer_path):  # fast path, no lock needed (works on read-only folders too)
+        if not sidecar_path(prefix).is_file():  # built before sidecars existed: record the tokenizer now
+            with contextlib.suppress(OSError):  # (identical content if ranks race; skipped if read-only)
+                ds = IndexedDataset(prefix)
+                write_sidecar(prefix, SentencePieceTokenizer(tokenizer_path), len(ds), ds.num_tokens)
         say(ready)
         return prefix, str(tokenizer_path)
     with _file_lock(data / ".prepare.lock"):
         if outputs_valid(prefix, tokenizer_path):  # another process built it while we waited
-            if not sidecar_path(prefix).is_file():  # built before sidecars existed: record it now
-                ds = IndexedDataset(prefix)
-                write_sidecar(prefix, SentencePieceTokenizer(tokenizer_path), len(ds), ds.num_tokens)
             say(ready)
             return prefix, str(tokenizer_path)
         start = time.perf_counter()
