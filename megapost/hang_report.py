@@ -69,10 +69,11 @@ class Heartbeat:
         self._stop.set()
 
     def read(self) -> dict[int, tuple[int, int]]:
-        keys = [_KEY.format(rank=r) for r in range(self.world_size)]
-        values = self.store.multi_get(keys)
+        """``{rank: (beat, iteration)}`` of the ranks that have beaten at least once."""
+        present = [r for r in range(self.world_size) if self.store.check([_KEY.format(rank=r)])]
+        values = self.store.multi_get([_KEY.format(rank=r) for r in present]) if present else []
         out = {}
-        for rank, raw in enumerate(values):
+        for rank, raw in zip(present, values, strict=True):
             beat, iteration = raw.decode().split()
             out[rank] = (int(beat), int(iteration))
         return out
@@ -87,10 +88,14 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - the store is in rank 0's process (or the launcher's)
             return (f"the rendezvous store at {self.where} does not answer, so the process hosting it "
                     "(usually rank 0) is the one that stopped")
-        me = second[self.rank][1]
-        silent = [r for r in second if r != self.rank and second[r][0] == first[r][0]]
+        me = second.get(self.rank, (0, 0))[1]
+        silent = [r for r in range(self.world_size)
+                  if r != self.rank and (r not in second or second[r][0] == first.get(r, (None,))[0])]
         if silent:
-            described = ", ".join(f"{r} (last heartbeat at iteration {second[r][1]})" for r in silent)
+            described = ", ".join(f"{r} (last heartbeat at iteration {second[r][1]})" if r in second
+                                  else f"{r} (no heartbeat ever)" for r in silent[:8])
+            if len(silent) > 8:
+                described += f" and {len(silent) - 8} more"
             return f"rank(s) {described} stopped answering: stopped, killed or frozen"
         behind = [r for r in second if second[r][1] < me]
         if behind:
