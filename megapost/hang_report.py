@@ -148,8 +148,12 @@ def collective_in_flight(exc: BaseException) -> str:
 
 
 def is_collective_error(exc: BaseException) -> bool:
+    """A timeout or lost peer raised by torch.distributed (not, say, a data loader's timeout)."""
     text = str(exc).lower()
-    return any(m in text for m in _TIMEOUT_MARKERS + _PEER_GONE_MARKERS)
+    if not any(m in text for m in _TIMEOUT_MARKERS + _PEER_GONE_MARKERS):
+        return False
+    in_c10d = any(f.f_code.co_filename.endswith("distributed_c10d.py") for f in _frames(exc.__traceback__))
+    return in_c10d or any(k in text for k in ("gloo", "nccl", "c10d"))
 
 
 def explain(exc: BaseException, rank: int, iteration: int, timeout_minutes: float,

@@ -201,15 +201,16 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run the loop; a collective that times out or loses a peer ends it with a CollectiveFailure
         naming the collective and the ranks that stopped answering (hang_report)."""
+        timeout_minutes = getattr(self.args, "distributed_timeout_minutes", 10.0)
         heartbeat = start_heartbeat(self.pstate.global_rank, self.pstate.world_size,
-                                    lambda: self.state.iteration, self.args.distributed_timeout_minutes)
+                                    lambda: self.state.iteration, timeout_minutes)
         try:
             return self._train()
         except RuntimeError as e:
             if heartbeat is None or not is_collective_error(e):
                 raise
-            raise explain(e, self.pstate.global_rank, self.state.iteration + 1,
-                          self.args.distributed_timeout_minutes, heartbeat) from None
+            raise explain(e, self.pstate.global_rank, self.state.iteration + 1, timeout_minutes,
+                          heartbeat) from None
         finally:
             if heartbeat is not None:
                 heartbeat.stop()

@@ -64,3 +64,11 @@ def test_survivor_names_the_collective_and_the_silent_rank() -> None:
 
 def test_heartbeat_interval_scales_with_the_timeout() -> None:
     assert [heartbeat_interval(m) for m in (0.05, 0.5, 10)] == [1.0, 5.0, 30.0]
+
+
+def test_only_distributed_errors_are_reworded() -> None:
+    try:
+        raise RuntimeError("DataLoader timed out after 5 seconds")
+    except RuntimeError as e:
+        assert not is_collective_error(e)
+    assert is_collective_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
