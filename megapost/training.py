@@ -173,8 +173,8 @@ class Trainer:
         for (step, _, grad_norm, _), value in zip(st.losses, values, strict=True):
             norm = math.nan if grad_norm is None else float(grad_norm)
             if not math.isfinite(value) or (grad_norm is not None and not math.isfinite(norm)):
-                what = f"training loss is {value}" if not math.isfinite(value) else f"grad norm is {norm}"
-                raise finite_guard.non_finite_error(what, step, args.save)
+                raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
+                                                    args.save)
         perf = self.throughput.report()
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
