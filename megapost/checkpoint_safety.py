@@ -123,8 +123,27 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
         try:
             with open(path, "wb") as f:
                 torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, path) from e
+        except (OSError, RuntimeError) as e:
+            cause = os_error_behind(e, path)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, path) from e
+
+
+def os_error_behind(e: BaseException, path: str) -> OSError | None:
+    """The ``OSError`` behind a failed write (torch's zip writer re-raises it as a ``RuntimeError``), or
+    ENOSPC when the filesystem has no free blocks left."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    try:
+        if os.statvfs(os.path.dirname(path) or ".").f_bavail == 0:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    except OSError:
+        pass
+    return None
 
 
 def install(engine: Any, trust: bool = False) -> SafeCheckpointEngine:
