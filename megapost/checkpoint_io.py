@@ -265,8 +265,8 @@ def load(engine: Any, args: argparse.Namespace) -> tuple[int, int, dict[str, Any
     except RuntimeError as e:  # e.g. a pre-metadata checkpoint of another shape: size mismatch
         if "state_dict" not in str(e) and "size mismatch" not in str(e):
             raise
-        first = str(e).strip().splitlines()
-        raise ConfigError(f"--load {args.load}/{tag} does not fit this model ({' '.join(first[:2])[:300]}); "
+        detail = " ".join(" ".join(str(e).strip().splitlines()[:2]).split())[:300]
+        raise ConfigError(f"--load {args.load}/{tag} does not fit this model ({detail}); "
                           "load a checkpoint of this model, or change the model flags to match it") from None
     if path is None or client is None:
         raise ConfigError(f"--load {args.load}: DeepSpeed could not load a checkpoint there")
