@@ -88,6 +88,7 @@ def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt, tmp_path) ->
     assert marker.is_dir()  # what --trust-checkpoint would have done: the documented danger
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_files_are_weights_only(tiny_data, tmp_path) -> None:
     """bf16, ZeRO-1: 4 steps == 2 steps + resume + 2 steps; every file holds allowlisted globals only
     (ZeRO-0 fp32: test_training.py::test_resume_continues_exactly; PP: test_scale_out.py, slow)."""
