@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -224,8 +225,11 @@ def _publish(directory: str, tmp_tag: str, tag: str) -> None:
 
 
 def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
-         plugin_states: dict[str, Any]) -> str:
-    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name); ``latest`` moves only once it is complete."""
+         plugin_states: dict[str, Any], write_extra: Callable[[str], None] | None = None) -> str:
+    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name); ``latest`` moves only once it is complete.
+
+    ``write_extra(temp_tag_dir)``, when given, runs on every rank after DeepSpeed's files are written
+    and before the tag is published: more files of the same tag go there."""
     tag = f"iter_{iteration:07d}"
     tmp_tag = tag + TMP_SUFFIX
     previous = last_complete(args.save)
@@ -244,6 +248,8 @@ def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
             with atomic_path(os.path.join(args.save, tmp_tag, META_FILE)) as tmp, open(tmp, "w") as f:
                 json.dump(meta, f)
         engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client, save_latest=False)
+        if write_extra is not None:
+            write_extra(os.path.join(args.save, tmp_tag))
         _barrier()
         if rank0:
             _publish(args.save, tmp_tag, tag)
