@@ -107,10 +107,34 @@ def _trust_args(p: argparse.ArgumentParser) -> None:
                    help="re-measure the CPU matmul peak for MFU instead of reusing ~/.cache/megapost")
 
 
+def _checkpoint_safety_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoint safety")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="DANGEROUS: unpickle --load files without megapost's allowlist (weights_only=False); "
+                        "a crafted checkpoint then runs arbitrary code. Only for files you wrote yourself")
+
+
+# flags that must be >= 1, and flags that must be >= 0 (0 switches the feature off)
+_POSITIVE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+             "micro_batch_size", "global_batch_size", "train_iters", "log_interval", "checkpoint_num_layers",
+             "tensor_model_parallel_size", "pipeline_model_parallel_size")
+_NON_NEGATIVE = ("save_interval", "eval_interval", "eval_iters", "lr_warmup_iters", "lr_decay_iters")
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """Counts and sizes must be positive (intervals may be 0 for off)."""
+    for dest, least in [(d, 1) for d in _POSITIVE] + [(d, 0) for d in _NON_NEGATIVE]:
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            kind = "positive" if least else "0 (off) or positive"
+            raise ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}")
+
+
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("megapost-pretrain", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args):
+    for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args,
+                _checkpoint_safety_args):
         add(p)
     for cls in plugin_classes:
         cls.add_arguments(p)
@@ -138,6 +162,7 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Checks that need no data or model: batch arithmetic, layout, paths."""
+    check_counts(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ConfigError(

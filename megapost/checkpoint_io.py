@@ -1,24 +1,45 @@
-"""Checkpoints through DeepSpeed's engine plus the client state needed to continue exactly."""
+"""Checkpoints through DeepSpeed's engine plus the client state needed to continue exactly.
+
+A tag is written under ``iter_XXXXXXX.tmp`` and renamed to ``iter_XXXXXXX`` by rank 0 once every rank
+has written its files; ``latest`` is then replaced atomically. A leftover ``*.tmp`` tag (a crash during
+a save) is never named by ``latest`` and is removed by the next save. Every file is read with
+:mod:`megapost.checkpoint_safety`'s weights-only loader; the client state is pickle-free (tensors,
+numbers, strings, lists, tuples, dicts).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from . import checkpoint_safety
 from .arguments import ConfigError
-from .utils.atomic import atomic_path
+from .utils.atomic import atomic_path, atomic_write_text
 
 META_FILE = "megapost_meta.json"
+TMP_SUFFIX = ".tmp"
+_TAG = re.compile(r"iter_\d{7}")
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
+              "norm_position")
 
 
+# ---- RNG state, pickle-free -------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -26,45 +47,109 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np_state = state["numpy"]
+    if isinstance(np_state, dict):
+        np_state = (np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                    np_state["has_gauss"], np_state["cached_gaussian"])
+    np.random.set_state(np_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# ---- what a checkpoint is of --------------------------------------------------------------------
 def _layout(args: argparse.Namespace) -> dict[str, int]:
     return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size}
 
 
-def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
-         plugin_states: dict[str, Any]) -> str:
-    """Save tag ``iter_XXXXXXX``; DeepSpeed moves ``latest`` only after every file is written."""
-    tag = f"iter_{iteration:07d}"
-    client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": rng_state(),
-              "plugins": plugin_states,
-              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
-    if engine.global_rank == 0:  # before DeepSpeed writes 'latest', so a loadable tag always has it
-        meta = {"tag": tag, "iteration": iteration, **_layout(args),
-                "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage}
-        with atomic_path(os.path.join(args.save, tag, META_FILE)) as tmp, open(tmp, "w") as f:
-            json.dump(meta, f)
-    engine.save_checkpoint(args.save, tag=tag, client_state=client)
+def model_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's shape (``padded_vocab_size`` is set by pretrain once the tokenizer is known)."""
+    return {k: getattr(args, k, None) for k in SHAPE_KEYS}
+
+
+def describe_shape(shape: dict[str, Any]) -> str:
+    return (f"{shape.get('num_layers')} layers x {shape.get('hidden_size')} hidden, ffn "
+            f"{shape.get('ffn_hidden_size')}, {shape.get('num_attention_heads')} heads, vocab "
+            f"{shape.get('padded_vocab_size')}, {shape.get('norm_position')}-norm")
+
+
+def _shape_differs(saved: dict[str, Any] | None, ours: dict[str, Any]) -> bool:
+    if not saved:
+        return False  # a checkpoint from before shapes were recorded
+    return any(saved.get(k) is not None and ours.get(k) is not None and saved[k] != ours[k]
+               for k in SHAPE_KEYS)
+
+
+# ---- reading a checkpoint directory ---------------------------------------------------------------
+def complete_tags(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(t for t in os.listdir(directory)
+                  if _TAG.fullmatch(t) and os.path.isdir(os.path.join(directory, t)))
+
+
+def last_complete(directory: str | None) -> str | None:
+    """``dir/tag`` named by ``latest`` when that tag exists, else None."""
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            tag = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return os.path.join(directory, tag) if tag and os.path.isdir(os.path.join(directory, tag)) else None
+
+
+def latest_tag(directory: str, flag: str = "--load") -> str:
+    """The tag ``latest`` names; a one-line error when it is missing, empty or names no tag."""
+    latest = os.path.join(directory, "latest")
+    if not os.path.isfile(latest):
+        raise ConfigError(f"{flag} {directory}: no 'latest' file; is this a megapost/DeepSpeed checkpoint?")
+    try:
+        with open(latest) as f:
+            tag = f.read().strip()
+    except UnicodeDecodeError:
+        tag = "\0"
+    tags = complete_tags(directory)
+    have = f"complete tags there: {', '.join(tags[-3:])}" if tags else "no complete tag there"
+    if not tag or "\0" in tag or "\n" in tag:
+        raise ConfigError(f"{flag} {directory}: 'latest' is empty or unreadable ({have}); write the tag to "
+                          "resume from into it")
+    if not os.path.isdir(os.path.join(directory, tag)):
+        raise ConfigError(f"{flag} {directory}: 'latest' names {tag}, which does not exist ({have}); write "
+                          "an existing tag into it")
     return tag
 
 
+def read_meta(directory: str, tag: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, tag, META_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is truncated or not valid JSON ({e}); resume from another tag (write "
+                          "its name into 'latest')") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} is not a JSON object; resume from another tag (write its name into "
+                          "'latest')")
+    return meta
+
+
 def check_layout(args: argparse.Namespace) -> None:
-    """Refuse to load a checkpoint written at another TP/PP layout (it would load wrong shards)."""
-    latest = os.path.join(args.load, "latest")
-    if not os.path.isfile(latest):
-        raise ConfigError(f"--load {args.load}: no 'latest' file; is this a megapost/DeepSpeed checkpoint?")
-    with open(latest) as f:
-        tag = f.read().strip()
-    meta_path = os.path.join(args.load, tag, META_FILE)
-    if not os.path.isfile(meta_path):
+    """Refuse a ``--load`` of another TP/PP layout (it would load wrong shards) or another model shape,
+    and unreadable ``latest``/meta/``.pt`` files — on every rank alike, before any group forms."""
+    tag = latest_tag(args.load)
+    meta = read_meta(args.load, tag)
+    if meta is None:
         return
-    with open(meta_path) as f:
-        meta = json.load(f)
+    shape = model_shape(args)
+    if _shape_differs(meta.get("model"), shape):
+        raise ConfigError(f"--load {args.load} holds a different model ({tag}: "
+                          f"{describe_shape(meta['model'])}) than this run ({describe_shape(shape)}); load a "
+                          "checkpoint of this model, or change the model flags to match it")
     for key, ours in _layout(args).items():
         if meta.get(key, ours) != ours:
             raise ConfigError(
@@ -80,12 +165,115 @@ def check_layout(args: argparse.Namespace) -> None:
             f"run has {args.data_parallel_size}; resume with {saved_dp} x TP x PP ranks (or convert with "
             "python -m deepspeed.checkpoint.ds_to_universal)"
         )
+    checkpoint_safety.scan_files(os.path.join(args.load, tag), trust=getattr(args, "trust_checkpoint", False))
+
+
+def check_save_dir(args: argparse.Namespace) -> None:
+    """Refuse to save into a directory whose latest checkpoint is of another model."""
+    if not args.save or not os.path.isfile(os.path.join(args.save, "latest")):
+        return
+    try:
+        tag = latest_tag(args.save, flag="--save")
+        meta = read_meta(args.save, tag)
+    except ConfigError:
+        return  # nothing usable there to protect; the first save replaces 'latest'
+    ours = model_shape(args)
+    if meta and _shape_differs(meta.get("model"), ours):
+        raise ConfigError(f"--save {args.save} already holds a checkpoint of another model ({tag}: "
+                          f"{describe_shape(meta['model'])}; this run: {describe_shape(ours)}); use another "
+                          "--save (or --run-name) for this run")
+
+
+# ---- saving -------------------------------------------------------------------------------------
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_temp_tags(directory: str) -> None:
+    """Delete ``*.tmp`` tags left by a save that never completed."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(TMP_SUFFIX) and _TAG.fullmatch(name[: -len(TMP_SUFFIX)].split(".")[0]):
+            if os.path.islink(path) or not os.path.isdir(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(directory: str, tmp_tag: str, tag: str) -> None:
+    """Rank 0: the complete temp tag takes the final name, then ``latest`` names it (both atomic)."""
+    final, old = os.path.join(directory, tag), os.path.join(directory, f"{tag}.old{TMP_SUFFIX}")
+    if os.path.exists(final):  # the same iteration saved again: move the old copy aside first
+        os.replace(final, old)
+    os.replace(os.path.join(directory, tmp_tag), final)
+    _fsync_dir(directory)
+    atomic_write_text(os.path.join(directory, "latest"), tag)
+    _fsync_dir(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
+         plugin_states: dict[str, Any], write_extra: Callable[[str], None] | None = None) -> str:
+    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name); ``latest`` moves only once it is complete.
+
+    ``write_extra(temp_tag_dir)``, when given, runs on every rank after DeepSpeed's files are written
+    and before the tag is published: more files of the same tag go there."""
+    tag = f"iter_{iteration:07d}"
+    tmp_tag = tag + TMP_SUFFIX
+    previous = last_complete(args.save)
+    client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": rng_state(),
+              "plugins": plugin_states,
+              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+    rank0 = engine.global_rank == 0
+    try:
+        if rank0:
+            remove_temp_tags(args.save)
+        _barrier()
+        if rank0:
+            meta = {"tag": tag, "iteration": iteration, **_layout(args),
+                    "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage,
+                    "model": model_shape(args)}
+            with atomic_path(os.path.join(args.save, tmp_tag, META_FILE)) as tmp, open(tmp, "w") as f:
+                json.dump(meta, f)
+        engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client, save_latest=False)
+        if write_extra is not None:
+            write_extra(os.path.join(args.save, tmp_tag))
+        _barrier()
+        if rank0:
+            _publish(args.save, tmp_tag, tag)
+    except OSError as e:
+        error = checkpoint_safety.write_error(e, os.path.join(args.save, tmp_tag), previous)
+        if error is None:
+            raise
+        raise error from None
+    _barrier()
+    return tag
 
 
 def load(engine: Any, args: argparse.Namespace) -> tuple[int, int, dict[str, Any]]:
     """Returns (iteration, consumed samples, plugin states) and restores RNG."""
     check_layout(args)
-    path, client = engine.load_checkpoint(args.load)
+    tag = latest_tag(args.load)
+    try:
+        path, client = engine.load_checkpoint(args.load, tag=tag)
+    except RuntimeError as e:  # e.g. a pre-metadata checkpoint of another shape: size mismatch
+        if "state_dict" not in str(e) and "size mismatch" not in str(e):
+            raise
+        detail = " ".join(" ".join(str(e).strip().splitlines()[:2]).split())[:300]
+        raise ConfigError(f"--load {args.load}/{tag} does not fit this model ({detail}); "
+                          "load a checkpoint of this model, or change the model flags to match it") from None
     if path is None or client is None:
         raise ConfigError(f"--load {args.load}: DeepSpeed could not load a checkpoint there")
     set_rng_state(client["rng"])

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +14,9 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import engine_hooks
+from . import checkpoint_safety, engine_hooks
 from .arguments import ConfigError, parse_args, validate_args
-from .checkpoint_io import check_layout
+from .checkpoint_io import check_layout, check_save_dir
 from .data import (
     DataError,
     IndexedDataset,
@@ -35,9 +36,9 @@ from .parallel import (
     deepspeed_config_errors,
     deepspeed_config_overrides,
     initialize_parallel,
+    layout_errors,
     make_mpu,
     padded_vocab_size,
-    validate_layout,
 )
 from .peak_flops import resolve_peak
 from .plugins import PluginContext, plugin_classes
@@ -112,18 +113,28 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
     args = parse_args(argv, classes)
     user_ds = reconcile_with_user_config(args)
-    validate_args(args, world_size_from_env())
-    if args.load:  # a checkpoint of another TP/PP layout: every rank stops here, before any group forms
-        check_layout(args)
+    world_size = world_size_from_env()
+    validate_args(args, world_size)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     check_data(args, tokenizer)
+    try:
+        model_cfg = model_config_from_args(args, tokenizer.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    args.padded_vocab_size = model_cfg.vocab_size
+    # every rank stops alike here, before any process group forms: a bad layout, or a checkpoint of
+    # another layout or model, or unreadable/unsafe checkpoint files
+    errors = layout_errors(model_cfg, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                           args.sequence_parallel, args.seq_length, world_size)
+    if errors:
+        raise ConfigError("invalid parallel layout: " + "; ".join(errors))
+    if args.load:
+        check_layout(args)
+    check_save_dir(args)
 
     device = init_distributed(args)
     pstate = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.sequence_parallel)
-    model_cfg = model_config_from_args(args, tokenizer.vocab_size)
-    validate_layout(model_cfg, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    args.sequence_parallel, args.seq_length, pstate.world_size)
     train_iter, valid_iter = build_data(args, pstate)
     torch.manual_seed(args.seed)
 
@@ -146,6 +157,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=make_mpu(pstate) if args.pipeline_model_parallel_size == 1 else None,
     )
+    checkpoint_safety.install(engine, trust=args.trust_checkpoint)
     peak = resolve_peak(args.peak_tflops, torch.bfloat16 if args.bf16 else torch.float32, device,
                         args.remeasure_peak)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
@@ -168,12 +180,26 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     return history
 
 
+QUIET_RANK_WAIT_S = 20.0  # how long a rank other than 0 waits for the launcher to stop it
+
+
+def exit_once(message: str) -> None:
+    """Exit 1 with ``message``, printed once per job: rank 0 prints at once; another rank (which under
+    the ``deepspeed`` launcher is stopped as soon as rank 0 exits with the same error) waits first and
+    prints only if it is still running, i.e. when the error was its own."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(QUIET_RANK_WAIT_S)
+    raise SystemExit(message)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite loss, a
+    except ConfigError as e:  # bad flags or checkpoint files: one line, exit 1
+        exit_once(str(e.code))
+    except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite state, a
         # hung or dead rank: one line, exit 1
-        raise SystemExit(f"error: {e}") from None
+        exit_once(f"error: {e}")
 
 
 if __name__ == "__main__":

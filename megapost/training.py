@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_io
+from . import checkpoint_io, finite_guard
 from .hang_report import explain, is_collective_error, start_heartbeat
 from .monitor import Monitor
 from .parallel.state import ParallelState
@@ -171,12 +171,11 @@ class Trainer:
             if grad_norm is not None:
                 scalars["grad_norm"] = float(grad_norm)
             self.monitor.scalars("train", scalars, step, tokens)
-        for value in values:
-            if not math.isfinite(value):
-                raise FloatingPointError(
-                    f"training loss is {value} at iteration {st.iteration}; lower --lr, raise "
-                    "--lr-warmup-iters, or check the data (--data-path)"
-                )
+        for (step, _, grad_norm, _), value in zip(st.losses, values, strict=True):
+            norm = math.nan if grad_norm is None else float(grad_norm)
+            if not math.isfinite(value) or (grad_norm is not None and not math.isfinite(norm)):
+                raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
+                                                    args.save)
         perf = self.throughput.report()
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
@@ -257,6 +256,9 @@ class Trainer:
                           f"ppl {math.exp(min(loss, 50.0)):.2f}")
 
     def save(self) -> None:
+        pending = [t for _, loss, norm, _ in self.state.losses for t in (loss, norm)]
+        finite_guard.refuse_non_finite(self.engine.module.parameters(), pending, self.state.iteration,
+                                       self.args.save, self.device)
         states = {p.name: p.state_dict() for p in self.plugins}
         tag = checkpoint_io.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
                                  states)

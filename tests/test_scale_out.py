@@ -309,7 +309,7 @@ def test_checkpoint_of_another_layout_is_refused(tiny_data, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 1), (1, 1, 2)])
+@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 1), (1, 1, 2), (1, 2, 1)])
 def test_resume_at_layout_continues_exactly(tiny_data, tmp_path, tp: int, pp: int, dp: int) -> None:
     """2N steps in one run == N steps, save, resume, N more, at the same layout (ZeRO-1, fp32); then
     the checkpoint is refused at another TP/PP layout of the same world size."""

@@ -1,0 +1,43 @@
+"""Never save or continue from a non-finite state: a NaN/Inf loss, grad norm or parameter stops the run
+in one line naming the iteration and the last good checkpoint.
+
+The check is one device-side reduction and one host read, done only at save and log time (training
+steps never wait on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint_io import last_complete
+
+
+def all_finite(tensors: Iterable[Any], device: torch.device) -> bool:
+    """True when every value of every tensor (or number) is finite, on every rank."""
+    flags = [torch.as_tensor(t, device=device).detach().isfinite().all().reshape(1) for t in tensors
+             if t is not None]
+    ok = torch.cat(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+    ok = ok.to(torch.float32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def non_finite_error(what: str, iteration: int, save_dir: str | None) -> FloatingPointError:
+    last = last_complete(save_dir)
+    where = (f"the last good checkpoint is {last} (resume with --load {save_dir})" if last
+             else "no good checkpoint was saved")
+    return FloatingPointError(f"{what} at iteration {iteration}; {where}; lower --lr, "
+                              "raise --lr-warmup-iters, or check the data (--data-path)")
+
+
+def refuse_non_finite(parameters: Iterable[torch.Tensor], pending: Iterable[Any], iteration: int,
+                      save_dir: str | None, device: torch.device) -> None:
+    """Before a save: raise :class:`FloatingPointError` (one line) unless all is finite everywhere."""
+    if not all_finite([*pending, *parameters], device):
+        raise non_finite_error("not saving a non-finite training state (loss, grad norm or parameters)",
+                               iteration, save_dir)
