@@ -225,6 +225,7 @@ def save_layout_free(engine: Any, pstate: Any, tag_dir: str, args: Any, client: 
             "format": FORMAT, "iteration": client["iteration"],
             "consumed_train_samples": client["consumed_train_samples"], "adam_step": step,
             "scheduler": scheduler, "model_config": asdict(cfg), "layout": layout_of(args),
+            "args": client.get("args", {}),
             "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                        "skipped_steps": engine.skipped_steps},
             "shards": [shard_file(t, p) for p in range(pstate.pp_size) for t in range(pstate.tp_size)],
@@ -342,6 +343,18 @@ class ShardIndex:
 # ----------------------------------------------------------------------------- load
 
 
+def set_local_params(engine: Any, pstate: Any, params: dict[str, nn.Parameter], read: Any,
+                     has_state: bool) -> None:
+    """Set each local parameter (and its fp32 master and Adam moments when ``has_state``) from
+    ``read(kind, name, dim, start, stop)``, which returns the slice of the full tensor this rank holds."""
+    shapes = full_shapes(engine.module.config)
+    for name, p in params.items():
+        dim, offset = split_of(tuple(p.shape), shapes[name], pstate.tp_rank, pstate.tp_size, name)
+        stop = None if dim is None else offset + p.shape[dim]
+        kinds = ("fp32", *MOMENTS) if has_state else ("fp32",)
+        _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in kinds}, has_state)
+
+
 def load_layout_free(engine: Any, pstate: Any, tag_dir: str) -> dict[str, Any]:
     """Set this rank's weights, optimizer, scheduler, counters and RNG from ``tag_dir``'s layout-free
     state; returns the client state (iteration, consumed samples, plugins, rng)."""
@@ -358,11 +371,8 @@ def load_layout_free(engine: Any, pstate: Any, tag_dir: str) -> dict[str, Any]:
     step = header["adam_step"]
     if step is not None:
         _create_adam_state(engine, step)
-    for name, p in local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1).items():
-        dim, offset = split_of(tuple(p.shape), shapes[name], pstate.tp_rank, pstate.tp_size, name)
-        stop = None if dim is None else offset + p.shape[dim]
-        kinds = ("fp32", *MOMENTS) if step is not None else ("fp32",)
-        _set_param(engine, p, {k: index.read(k, name, dim, offset, stop) for k in kinds}, step is not None)
+    params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
+    set_local_params(engine, pstate, params, index.read, has_state=step is not None)
     if header["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(header["scheduler"])
     counters = header["engine"]

@@ -13,7 +13,7 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import engine_hooks
+from . import engine_hooks, hf
 from .arguments import ConfigError, parse_args, validate_args
 from .checkpoint_io import check_layout
 from .data import (
@@ -46,7 +46,7 @@ from .utils.atomic import atomic_path
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        vocab_size=hf.vocab_for(args, vocab_size) or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         norm_position=args.norm_position, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
@@ -107,6 +107,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     args = parse_args(argv, classes)
     user_ds = reconcile_with_user_config(args)
     validate_args(args, world_size_from_env())
+    if args.load_hf:  # the model flags come from its config.json
+        hf.apply_hf_flags(args)
     if args.load:  # a checkpoint of another TP/PP layout: every rank stops here, before any group forms
         check_layout(args)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
@@ -146,6 +148,9 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
+    elif args.load_hf:
+        hf.load_hf_weights(engine, pstate, args.load_hf)
+        monitor.line(f" loaded the weights of {args.load_hf}")
     monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak:.2f} TFLOP/s/device")
