@@ -79,13 +79,10 @@ def test_export_prenorm_is_llama(tiny_data, tmp_path) -> None:
 
 
 REMOTE_CHECK = """
-import json, sys, torch
+import sys
+sys.modules["megapost"] = None  # as on a machine without megapost: any import of it fails
+import torch
 from safetensors.torch import load_file, save_file
-try:
-    import megapost  # noqa: F401
-    sys.exit("megapost is importable here")
-except ImportError:
-    pass
 from transformers import AutoModelForCausalLM
 hf_dir, io = sys.argv[1], sys.argv[2]
 tokens = load_file(io + "/in.safetensors")["tokens"]
@@ -111,8 +108,6 @@ def test_export_postnorm_remote_code(tiny_data, tmp_path) -> None:
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
     proc = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    if "megapost is importable here" in proc.stderr:
-        pytest.skip("megapost is installed in this environment's site-packages")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MegapostForCausalLM" in proc.stdout
     result = load_file(str(tmp_path / "out.safetensors"))
