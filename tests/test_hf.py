@@ -141,7 +141,9 @@ def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
 
     src = _tiny_hf_llama(tmp_path / "src", vocab=512)
     ckpt = tmp_path / "ckpt"
-    flags = tiny_model_flags(tiny_data, **{"--load-hf": src, "--train-iters": 0, "--save": ckpt,
+    # one step at lr 0 (Adam and weight decay then leave every weight bit for bit): the saved
+    # checkpoint holds the step-0 model
+    flags = tiny_model_flags(tiny_data, **{"--load-hf": src, "--train-iters": 1, "--lr": 0, "--save": ckpt,
                                            "--tensor-model-parallel-size": 2, "--zero-stage": 1,
                                            "--peak-tflops": 1, "--num-layers": None, "--hidden-size": None,
                                            "--ffn-hidden-size": None, "--num-attention-heads": None})
