@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,8 @@ def uses_llama(cfg: ModelConfig) -> bool:
 
 def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
     common = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": num_kv_heads(cfg), "max_position_embeddings": cfg.seq_length,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos,
@@ -64,10 +64,12 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
     }
     if uses_llama(cfg):
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+                "head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False,
+                "attention_dropout": 0.0,
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "use_cache": True}
     return {**common, "architectures": ["MegapostForCausalLM"], "model_type": "megapost",
-            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha, "rope_theta": cfg.rope_theta,
+            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha,
+            "rope_theta": cfg.rope_theta,
             "use_cache": False, "auto_map": {"AutoConfig": "configuration_megapost.MegapostConfig",
                                              "AutoModelForCausalLM": "modeling_megapost.MegapostForCausalLM"}}
 
@@ -156,8 +158,8 @@ def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
     c = read_hf_config(hf_dir)
     where = f"--load-hf {hf_dir}"
     if c.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama'; only Llama checkpoints "
-                          "can be imported")
+        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama'; only Llama "
+                          "checkpoints can be imported")
     rope = c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default") if rope else (c.get("rope_scaling") or {}).get("rope_type",
                                                                                                 "default")
@@ -166,7 +168,8 @@ def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
         (c.get("mlp_bias", False), "MLP biases (mlp_bias=true)"),
         (c.get("tie_word_embeddings", False), "tied embeddings (tie_word_embeddings=true)"),
         (c.get("rope_scaling") not in (None, {}) or rope_type != "default", f"RoPE scaling ({rope_type})"),
-        (c.get("hidden_act", "silu") != "silu", f"activation {c.get('hidden_act')!r} (megapost has SwiGLU/silu)"),
+        (c.get("hidden_act", "silu") != "silu",
+         f"activation {c.get('hidden_act')!r} (megapost has SwiGLU/silu)"),
         (c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
          != c["hidden_size"] // c["num_attention_heads"], "head_dim != hidden_size / num_attention_heads"),
     ]
@@ -258,5 +261,8 @@ def load_hf_weights(engine: Any, pstate: Any, hf_dir: str) -> None:
             raise ConfigError(f"--load-hf {hf_dir}: {to_hf_name(name)} is {reader.shape(name)} but megapost "
                               f"builds {shape}; check --make-vocab-size-divisible-by and the model flags")
     params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
-    read: Callable[..., torch.Tensor] = lambda kind, name, dim, start, stop: reader.read(name, dim, start, stop)
+
+    def read(kind: str, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        return reader.read(name, dim, start, stop)
+
     set_local_params(engine, pstate, params, read, has_state=False)

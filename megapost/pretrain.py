@@ -46,7 +46,8 @@ from .utils.atomic import atomic_path
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=hf.vocab_for(args, vocab_size) or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        vocab_size=(hf.vocab_for(args, vocab_size)
+                    or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)),
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         norm_position=args.norm_position, norm_eps=args.norm_eps, rope_theta=args.rope_theta,

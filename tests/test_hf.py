@@ -37,12 +37,16 @@ def _megapost_model(ckpt: Path) -> tuple[LlamaModel, ModelConfig]:
     return model.eval(), cfg
 
 
+def _convert(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "tools/convert_to_hf.py", "--load", str(ckpt), "--output", str(out)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 def _train_and_export(data, tmp: Path, name: str, **flags) -> tuple[Path, LlamaModel]:
     ckpt, out = tmp / f"{name}-ckpt", tmp / f"{name}-hf"
     pretrain(tiny_model_flags(data, **{"--train-iters": 2, "--save": ckpt, "--zero-stage": 0,
                                        "--peak-tflops": 1, **flags}))
-    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--load", str(ckpt), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _convert(ckpt, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, _megapost_model(ckpt)[0]
 
@@ -91,8 +95,8 @@ with torch.no_grad():
     logits = model(tokens).logits
 gen = model.generate(tokens, max_new_tokens=4, do_sample=False)
 pad = torch.zeros(1, 3, dtype=tokens.dtype)  # left padding, masked out
-padded = model.generate(torch.cat([pad, tokens], 1), attention_mask=torch.cat([pad, torch.ones_like(tokens)], 1),
-                        max_new_tokens=4, do_sample=False)
+mask = torch.cat([pad, torch.ones_like(tokens)], 1)
+padded = model.generate(torch.cat([pad, tokens], 1), attention_mask=mask, max_new_tokens=4, do_sample=False)
 save_file({"logits": logits, "gen": gen, "padded": padded[:, 3:].contiguous()}, io + "/out.safetensors")
 print(type(model).__name__)
 """
@@ -106,8 +110,8 @@ def test_export_postnorm_remote_code(tiny_data, tmp_path) -> None:
     save_file({"tokens": TOKENS}, str(tmp_path / "in.safetensors"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
-    proc = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MegapostForCausalLM" in proc.stdout
     result = load_file(str(tmp_path / "out.safetensors"))
@@ -157,10 +161,10 @@ def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
     print("import step-0 max |logit diff|", diff)
     assert diff <= 1e-5
     back = tmp_path / "back"
-    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--load", str(ckpt), "--output", str(back)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _convert(ckpt, back)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    original, round_trip = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    original = load_file(str(src / "model.safetensors"))
+    round_trip = load_file(str(back / "model.safetensors"))
     assert original.keys() == round_trip.keys()
     assert all(torch.equal(original[k], round_trip[k]) for k in original)
 

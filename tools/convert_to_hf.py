@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from megapost.arguments import ConfigError
 from megapost.hf import export
@@ -44,16 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-model", help="SentencePiece model (default: the one the run trained with)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split model.safetensors above this")
     args = p.parse_args(argv)
-    try:
-        index = ShardIndex(tag_dir(args.load, args.iteration))
-        header = index.header
-        tokenizer = args.tokenizer_model or header.get("args", {}).get("tokenizer_model")
-        if not tokenizer or not os.path.isfile(tokenizer):
-            raise ConfigError(f"--tokenizer-model {tokenizer}: no such file; pass the run's SentencePiece model")
-        export(index.full(), ModelConfig(**header["model_config"]), tokenizer, args.output,
-               int(args.max_shard_gb * 1024**3))
-    except ConfigError as e:
-        sys.exit(str(e.code))
+    index = ShardIndex(tag_dir(args.load, args.iteration))  # ConfigError: one line, exit status 1
+    header = index.header
+    tokenizer = args.tokenizer_model or header.get("args", {}).get("tokenizer_model")
+    if not tokenizer or not os.path.isfile(tokenizer):
+        raise ConfigError(f"--tokenizer-model {tokenizer}: no such file; pass the run's SentencePiece model")
+    export(index.full(), ModelConfig(**header["model_config"]), tokenizer, args.output,
+           int(args.max_shard_gb * 1024**3))
     print(f"wrote {args.output}")
 
 
