@@ -66,7 +66,8 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                 "head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False,
                 "attention_dropout": 0.0,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "use_cache": True}
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "rope_theta": cfg.rope_theta, "use_cache": True}  # rope_theta: for transformers 4.x
     return {**common, "architectures": ["MegapostForCausalLM"], "model_type": "megapost",
             "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha,
             "rope_theta": cfg.rope_theta,
