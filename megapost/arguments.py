@@ -84,7 +84,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 def _io_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", help="checkpoint directory")
-    g.add_argument("--load", help="resume from this checkpoint directory (latest tag)")
+    g.add_argument("--load", help="resume from this checkpoint directory (latest tag), saved at any layout")
+    g.add_argument("--load-hf", help="start from the weights of a Hugging Face Llama directory "
+                   "(safetensors); fills the model flags from its config.json")
     g.add_argument("--save-interval", type=int, default=0)
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4)
@@ -199,5 +201,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--data-path {args.data_path}: {args.data_path + ext} not found; build it with "
                 "tools/preprocess_data.py (or tools/prepare_default_data.py)"
             )
+    if args.load and args.load_hf:
+        raise ConfigError("--load and --load-hf both given; --load resumes a run, --load-hf starts one")
     if args.load and not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")

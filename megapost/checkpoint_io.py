@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_safety
+from . import checkpoint_safety, layout_free
 from .arguments import ConfigError
 from .utils.atomic import atomic_path, atomic_write_text
 
@@ -138,34 +138,43 @@ def read_meta(directory: str, tag: str) -> dict[str, Any] | None:
     return meta
 
 
-def check_layout(args: argparse.Namespace) -> None:
-    """Refuse a ``--load`` of another TP/PP layout (it would load wrong shards) or another model shape,
-    and unreadable ``latest``/meta/``.pt`` files — on every rank alike, before any group forms."""
+def check_layout(args: argparse.Namespace) -> bool:
+    """True when the checkpoint must be loaded from its layout-free state (saved at another layout).
+    Refuses another model shape, a partial checkpoint, another layout when the tag has no layout-free
+    state, and unreadable ``latest``/meta/``.pt`` files — on every rank alike, before any group forms."""
     tag = latest_tag(args.load)
     meta = read_meta(args.load, tag)
-    if meta is None:
-        return
     shape = model_shape(args)
-    if _shape_differs(meta.get("model"), shape):
+    if meta is not None and _shape_differs(meta.get("model"), shape):
         raise ConfigError(f"--load {args.load} holds a different model ({tag}: "
                           f"{describe_shape(meta['model'])}) than this run ({describe_shape(shape)}); load a "
                           "checkpoint of this model, or change the model flags to match it")
+    tag_dir = os.path.join(args.load, tag)
+    if layout_free.check_complete(tag_dir):
+        header, _ = layout_free.read_state(tag_dir)
+        if header["layout"] != layout_free.layout_of(args):
+            return True
+    if meta is not None:
+        _refuse_other_layout(args, meta)
+    checkpoint_safety.scan_files(tag_dir, trust=getattr(args, "trust_checkpoint", False))
+    return False
+
+
+def _refuse_other_layout(args: argparse.Namespace, meta: dict[str, Any]) -> None:
+    """A checkpoint without layout-free state loads only at the layout that wrote it."""
     for key, ours in _layout(args).items():
         if meta.get(key, ours) != ours:
             raise ConfigError(
                 f"--load {args.load} was saved with --{key.replace('_', '-')} {meta[key]} but this run uses "
-                f"{ours}; resume at the saved layout, or convert it with DeepSpeed's universal checkpoint "
-                "(python -m deepspeed.checkpoint.ds_to_universal --input_folder <tag dir> --output_folder "
-                "<out>) and load that with a universal-checkpoint-aware loader"
+                f"{ours}, and it predates megapost's layout-free checkpoints; resume at the saved layout"
             )
     saved_dp, zero = meta.get("data_parallel_size"), max(meta.get("zero_stage", 0), args.zero_stage)
     if saved_dp is not None and saved_dp != args.data_parallel_size and zero >= 1:
         raise ConfigError(
             f"--load {args.load} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks but this "
-            f"run has {args.data_parallel_size}; resume with {saved_dp} x TP x PP ranks (or convert with "
-            "python -m deepspeed.checkpoint.ds_to_universal)"
+            f"run has {args.data_parallel_size}, and it predates megapost's layout-free checkpoints; resume "
+            f"with {saved_dp} x TP x PP ranks"
         )
-    checkpoint_safety.scan_files(os.path.join(args.load, tag), trust=getattr(args, "trust_checkpoint", False))
 
 
 def check_save_dir(args: argparse.Namespace) -> None:
@@ -225,11 +234,12 @@ def _publish(directory: str, tmp_tag: str, tag: str) -> None:
 
 
 def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
-         plugin_states: dict[str, Any], write_extra: Callable[[str], None] | None = None) -> str:
-    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name); ``latest`` moves only once it is complete.
+         plugin_states: dict[str, Any], pstate: Any, write_extra: Callable[[str], None] | None = None) -> str:
+    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name): DeepSpeed's files (same-layout resume) plus
+    megapost's layout-free state (``megapost.layout_free``); ``latest`` moves only once both are complete.
 
-    ``write_extra(temp_tag_dir)``, when given, runs on every rank after DeepSpeed's files are written
-    and before the tag is published: more files of the same tag go there."""
+    ``write_extra(temp_tag_dir)``, when given, runs on every rank after those are written and before
+    the tag is published: more files of the same tag go there."""
     tag = f"iter_{iteration:07d}"
     tmp_tag = tag + TMP_SUFFIX
     previous = last_complete(args.save)
@@ -248,6 +258,7 @@ def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
             with atomic_path(os.path.join(args.save, tmp_tag, META_FILE)) as tmp, open(tmp, "w") as f:
                 json.dump(meta, f)
         engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client, save_latest=False)
+        layout_free.save_layout_free(engine, pstate, os.path.join(args.save, tmp_tag), args, client)
         if write_extra is not None:
             write_extra(os.path.join(args.save, tmp_tag))
         _barrier()
@@ -262,10 +273,14 @@ def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
     return tag
 
 
-def load(engine: Any, args: argparse.Namespace) -> tuple[int, int, dict[str, Any]]:
-    """Returns (iteration, consumed samples, plugin states) and restores RNG."""
-    check_layout(args)
+def load(engine: Any, args: argparse.Namespace, pstate: Any) -> tuple[int, int, dict[str, Any]]:
+    """Returns (iteration, consumed samples, plugin states) and restores RNG. The same layout loads
+    DeepSpeed's files; another layout loads the layout-free state."""
     tag = latest_tag(args.load)
+    if check_layout(args):
+        client = layout_free.load_layout_free(engine, pstate, os.path.join(args.load, tag))
+        set_rng_state(client["rng"])
+        return int(client["iteration"]), int(client["consumed_train_samples"]), client.get("plugins", {})
     try:
         path, client = engine.load_checkpoint(args.load, tag=tag)
     except RuntimeError as e:  # e.g. a pre-metadata checkpoint of another shape: size mismatch

@@ -14,7 +14,7 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import checkpoint_safety, engine_hooks
+from . import checkpoint_safety, engine_hooks, hf
 from .arguments import ConfigError, parse_args, validate_args
 from .checkpoint_io import check_layout, check_save_dir
 from .data import (
@@ -49,7 +49,8 @@ from .utils.atomic import atomic_path
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by),
+        vocab_size=(hf.vocab_for(args, vocab_size)
+                    or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)),
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         norm_position=args.norm_position, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
@@ -115,6 +116,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env()
     validate_args(args, world_size)
+    if args.load_hf:  # the model flags come from its config.json
+        hf.apply_hf_flags(args)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     check_data(args, tokenizer)
     try:
@@ -165,6 +168,9 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
+    elif args.load_hf:
+        hf.load_hf_weights(engine, pstate, args.load_hf)
+        monitor.line(f" loaded the weights of {args.load_hf}")
     monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")

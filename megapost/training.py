@@ -261,11 +261,11 @@ class Trainer:
                                        self.args.save, self.device)
         states = {p.name: p.state_dict() for p in self.plugins}
         tag = checkpoint_io.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
-                                 states)
+                                 states, self.pstate)
         self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
 
     def load(self) -> None:
-        it, consumed, states = checkpoint_io.load(self.engine, self.args)
+        it, consumed, states = checkpoint_io.load(self.engine, self.args, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         for plugin in self.plugins:
             if plugin.name in states:

@@ -1,0 +1,121 @@
+"""Checkpoints that travel: a checkpoint saved at one (TP, PP, DP, ZeRO, bf16, SP) layout resumes at
+another through megapost's layout-free state, continuing with the losses of an uninterrupted run;
+a checkpoint that lost a rank's files is refused in one line.
+
+Each chain runs N steps per segment through the real trainer (DeepSpeed's launcher for > 1 rank),
+each segment loading the previous one's checkpoint at a new layout, and compares the per-step losses
+with one uninterrupted single-process run of all the steps (layouts agree to ~1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from launch_utils import pretrain, read_scalars, tiny_model_flags
+
+STEPS = 2  # per segment
+
+
+def _flags(data, **overrides) -> list[str]:
+    return tiny_model_flags(data, **{"--zero-stage": 1, "--peak-tflops": 1, "--lr-warmup-iters": 1,
+                                     **overrides})
+
+
+def _losses(tb: Path) -> list[float]:
+    values = read_scalars(tb, "train/lm_loss")
+    return [values[s] for s in sorted(values)]
+
+
+def _layout(tp: int, pp: int, dp: int, zero: int = 1, sp: bool = False, bf16: bool = False) -> dict:
+    return {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp, "--zero-stage": zero,
+            "--sequence-parallel": sp, "--bf16": bf16, "_world": tp * pp * dp}
+
+
+def _chain(data, tmp: Path, layouts: list[dict], bf16: bool = False) -> tuple[list[float], list[float]]:
+    """(chained losses, uninterrupted losses) over len(layouts) * STEPS steps."""
+    total = STEPS * len(layouts)
+    common = {"--lr-decay-iters": total, "--save": tmp / "ckpt", "--bf16": bf16}
+    chained: list[float] = []
+    for k, layout in enumerate(layouts):
+        layout = dict(layout)
+        world = layout.pop("_world")
+        tb = tmp / f"seg{k}"
+        flags = _flags(data, **{**common, **layout, "--train-iters": STEPS * (k + 1), "--tensorboard-dir": tb,
+                                "--load": tmp / "ckpt" if k else None})
+        out = pretrain(flags, nprocs=world, timeout=900)
+        if k:
+            assert f"resumed from {tmp / 'ckpt'} at iteration {STEPS * k}" in out.stdout
+        chained += _losses(tb)
+    full = _flags(data, **{"--lr-decay-iters": total, "--train-iters": total, "--bf16": bf16,
+                           "--tensorboard-dir": tmp / "full"})
+    pretrain(full, nprocs=1, timeout=900)
+    return chained, _losses(tmp / "full")
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_reshard_chain_tp_sp_dp_zero(tiny_data, tmp_path) -> None:
+    """(2,1,1)+SP ZeRO-1 -> (1,1,2) ZeRO-2 -> (1,1,1) ZeRO-0, against one uninterrupted run."""
+    chained, full = _chain(tiny_data, tmp_path, [_layout(2, 1, 1, sp=True), _layout(1, 1, 2, zero=2),
+                                                 _layout(1, 1, 1, zero=0)])
+    print("max rel loss diff", _max_rel(chained, full))
+    assert chained == pytest.approx(full, rel=1e-5)
+    _check_partial_refused(tiny_data, tmp_path / "ckpt")
+
+
+def _check_partial_refused(data, ckpt: Path) -> None:
+    """A tag that lost one rank's file (layout-free shard, then DeepSpeed's model file) is refused
+    with one line before any process group forms."""
+    import shutil
+
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    shards = sorted((tag / "layout_free").glob("shard-*.safetensors"))
+    for lost in shards[:1] + sorted(tag.glob("*model_states.pt"))[:1]:
+        broken = ckpt.parent / f"broken-{lost.name}"
+        shutil.copytree(ckpt, broken)
+        (broken / tag.name / lost.relative_to(tag)).unlink()
+        proc = pretrain(_flags(data, **{"--load": broken, "--train-iters": 20}), check=False, timeout=300)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "incomplete" in line]
+        assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+        assert errors[0].startswith("error: --load ") and lost.name in errors[0], errors
+
+
+@pytest.mark.slow
+def test_reshard_chain_tp_pp_dp(tiny_data, tmp_path) -> None:
+    """(2,2,1) ZeRO-1 -> (1,1,2) ZeRO-1 -> (1,2,1) -> (1,1,1)."""
+    chained, full = _chain(tiny_data, tmp_path, [_layout(2, 2, 1), _layout(1, 1, 2), _layout(1, 2, 1),
+                                                 _layout(1, 1, 1)])
+    print("max rel loss diff", _max_rel(chained, full))
+    assert chained == pytest.approx(full, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_reshard_zero2_and_sp_back(tiny_data, tmp_path) -> None:
+    """(1,1,2) ZeRO-2 -> (1,1,1) -> (2,1,1)+SP -> (1,1,1)."""
+    chained, full = _chain(tiny_data, tmp_path, [_layout(1, 1, 2, zero=2), _layout(1, 1, 1),
+                                                 _layout(2, 1, 1, sp=True), _layout(1, 1, 1)])
+    print("max rel loss diff", _max_rel(chained, full))
+    assert chained == pytest.approx(full, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_reshard_bf16(tiny_data, tmp_path) -> None:
+    """bf16 (1,1,2): continuing at (2,1,1) gives the losses of continuing at (1,1,2) (bf16 rounding
+    differs between layouts, hence the looser bound)."""
+    first = _flags(tiny_data, **{"--bf16": True, "--lr-decay-iters": 2 * STEPS, "--train-iters": STEPS,
+                                 "--save": tmp_path / "ckpt", "--tensorboard-dir": tmp_path / "first"})
+    pretrain(first, nprocs=2, timeout=900)
+    continued = {}
+    for name, (tp, world) in {"same": (1, 2), "other": (2, 2)}.items():
+        flags = _flags(tiny_data, **{"--bf16": True, "--lr-decay-iters": 2 * STEPS,
+                                     "--train-iters": 2 * STEPS, "--load": tmp_path / "ckpt",
+                                     "--tensor-model-parallel-size": tp,
+                                     "--tensorboard-dir": tmp_path / name})
+        pretrain(flags, nprocs=world, timeout=900)
+        continued[name] = _losses(tmp_path / name)
+    print("max rel loss diff", _max_rel(continued["other"], continued["same"]))
+    assert continued["other"] == pytest.approx(continued["same"], rel=1e-2)
