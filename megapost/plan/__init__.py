@@ -1,0 +1,33 @@
+"""The memory and throughput planner (``python -m megapost.plan``): what fits where, and how fast."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megapost.model import ModelConfig
+
+from .counts import ParameterCounts, parameter_counts
+from .memory import Layout, Precision, RankMemory, rank_memory, stage_memory
+
+__all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_counts", "planned_rank_peak",
+           "precision_from_ds_config", "rank_memory", "stage_memory"]
+
+
+def precision_from_ds_config(ds_config: dict[str, Any]) -> Precision:
+    """The settings of a (generated) DeepSpeed config that change memory."""
+    zero = ds_config.get("zero_optimization", {})
+    return Precision(
+        bf16=bool(ds_config.get("bf16", {}).get("enabled", False)),
+        reduce_bucket_size=int(zero.get("reduce_bucket_size", Precision.reduce_bucket_size)),
+        overlap_comm=bool(zero.get("overlap_comm", False)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+    )
+
+
+def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any, ds_config: dict[str, Any]) -> int:
+    """The planner's peak bytes for this rank of a built run (its pipeline stage)."""
+    layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
+                    args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
+                    pstate.sequence_parallel, args.checkpoint_num_layers)
+    return stage_memory(cfg, layout, precision_from_ds_config(ds_config), pstate.pp_rank).peak
