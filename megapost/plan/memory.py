@@ -23,10 +23,12 @@ Ts = T/t under sequence parallelism, else T), counted from what autograd saves i
 (fused SDPA saves q, k, v, out and the fp32 log-sum-exp, never the s x s scores; RoPE saves only its
 tables; RMSNorm runs in fp32 and saves its fp32 input; residual adds save nothing):
 
-  per sublayer: RMSNorm fp32 input 4*Ts*h, the sublayer's full-sequence input e*T*h (under SP the
-  all-gathered copy the column-parallel linears keep);
-  attention: e*T*(2h + 2kv)/t (q, k, v, SDPA out) + e*T*h/t (its reshaped copy, W_O's input)
-  + 4*b*s*a/t (log-sum-exp); SwiGLU: 4 e*T*f/t (W_1 and W_3 outputs, SiLU output, their product).
+  per sublayer: RMSNorm (composite ``F.rms_norm`` in fp32) 8*Ts*h + 4*Ts (its fp32 input, the fp32
+  normalised x, 1/rms; + 4h for the gain's fp32 copy under bf16), the sublayer's full-sequence input
+  e*T*h (under SP the all-gathered copy the column-parallel linears keep);
+  attention: e*T*(2h + 2kv)/t (q, k after RoPE, v, SDPA's output, which W_O reads as a view)
+  + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head;
+  SwiGLU: 4 e*T*f/t (W_1 and W_3 outputs, SiLU output, their product).
 
 Korthikanti et al. 2022 (eq. 2, fp16 GPT with dropout and materialised scores): s*b*h*(34 + 5*a*s/h)
 per layer, /t with TP+SP; ``korthikanti_layer_bytes`` gives it for comparison. megapost has no
@@ -43,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 from megapost.model import ModelConfig
 
-from .counts import kv_groups_per_rank, layer_parameters, stage_layers, stage_parameters
+from .counts import kv_groups, kv_groups_per_rank, stage_layers, stage_parameters
 
 ZERO0_ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed engine's MEMORY_OPT_ALLREDUCE_SIZE
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed ZeRO reduce/allgather_bucket_size defaults
@@ -116,22 +118,22 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, bf16: bool) -> dict
     return {"weights": 4 * params, "gradients": grads + 4 * params // n, "optimizer": master_and_moments}
 
 
+def norm_bytes(tokens: int, h: int, bf16: bool) -> int:
+    """RMSNorm (``F.rms_norm`` in fp32, composite): its fp32 input, 1/rms, the fp32 normalised x, and
+    under bf16 the gain's fp32 copy."""
+    return 8 * tokens * h + 4 * tokens + (4 * h if bf16 else 0)
+
+
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int) -> int:
     """Saved activations of one block for one micro-batch (module docstring)."""
     h, f, s, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length, cfg.num_attention_heads
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
     kv = kv_groups_per_rank(cfg, tp) * cfg.head_dim if tp > 1 else kv_groups(cfg) * cfg.head_dim
-    sublayer = 4 * t_sp * h + 4 * t_sp + e * t_all * h
-    attention = e * t_all * (3 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp)
+    sublayer = norm_bytes(t_sp, h, e == 2) + e * t_all * h
+    attention = e * t_all * (2 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp) + 8 * s * cfg.head_dim
     mlp = 4 * e * t_all * f // tp
     return 2 * sublayer + attention + mlp
-
-
-def kv_groups(cfg: ModelConfig) -> int:
-    from .counts import kv_groups as groups
-
-    return groups(cfg)
 
 
 def korthikanti_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False) -> float:
@@ -149,7 +151,7 @@ def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int) ->
     """(saved by the head for one micro-batch, extra transient in its backward)."""
     h, v, t_all = cfg.hidden_size, cfg.vocab_size // tp, micro_batch * cfg.seq_length
     t_sp = t_all // tp if sp else t_all
-    norm = 4 * t_sp * h + 4 * t_sp if cfg.norm_position == "pre" else 0
+    norm = norm_bytes(t_sp, h, e == 2) if cfg.norm_position == "pre" else 0
     saved = norm + e * t_all * h + e * t_all * v + 4 * t_all * v
     return saved, 2 * 4 * t_all * v
 
@@ -197,7 +199,3 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
 def rank_memory(cfg: ModelConfig, layout: Layout, prec: Precision) -> list[RankMemory]:
     """Every pipeline stage's per-rank memory."""
     return [stage_memory(cfg, layout, prec, stage) for stage in range(layout.pp)]
-
-
-def _unused() -> None:  # keep layer_parameters imported for callers of this module
-    layer_parameters
