@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+
 from megapost.model import ModelConfig
 
 from .counts import ParameterCounts, parameter_counts
@@ -14,7 +16,7 @@ __all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_co
            "precision_from_ds_config", "rank_memory", "stage_memory"]
 
 
-def precision_from_ds_config(ds_config: dict[str, Any]) -> Precision:
+def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True) -> Precision:
     """The settings of a (generated) DeepSpeed config that change memory."""
     zero = ds_config.get("zero_optimization", {})
     return Precision(
@@ -22,6 +24,7 @@ def precision_from_ds_config(ds_config: dict[str, Any]) -> Precision:
         reduce_bucket_size=int(zero.get("reduce_bucket_size", Precision.reduce_bucket_size)),
         overlap_comm=bool(zero.get("overlap_comm", False)),
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        fused_adam=fused_adam,
     )
 
 
@@ -30,4 +33,5 @@ def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any, d
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
                     args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
                     pstate.sequence_parallel, args.checkpoint_num_layers)
-    return stage_memory(cfg, layout, precision_from_ds_config(ds_config), pstate.pp_rank).peak
+    fused = torch.cuda.is_available()  # megapost.optimizer builds fused AdamW on CUDA only
+    return stage_memory(cfg, layout, precision_from_ds_config(ds_config, fused), pstate.pp_rank).peak

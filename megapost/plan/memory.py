@@ -80,6 +80,7 @@ class Precision:
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_comm: bool = False
     contiguous_gradients: bool = True
+    fused_adam: bool = True  # torch's fused AdamW (megapost on CUDA); False: the unfused CPU loop
 
     @property
     def act_bytes(self) -> int:
@@ -156,11 +157,28 @@ def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int) ->
     return saved, 2 * 4 * t_all * v
 
 
+def _optimizer_kind(zero_stage: int, bf16: bool) -> str:
+    if zero_stage == 0:
+        return "torch"  # the engine steps torch AdamW itself (fp32 only: bf16 promotes ZeRO-0 to 1)
+    return "bf16_optimizer" if bf16 and zero_stage == 1 else "zero"
+
+
 def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) -> RankMemory:
-    """Memory of one rank on pipeline ``stage`` of ``layout``."""
-    e, lay = prec.act_bytes, layout
+    """Memory of one rank on pipeline ``stage`` of ``layout``: the components, and the peak as the
+    largest of three phases of a step —
+
+    backward: states + every in-flight micro-batch's saved activations + the head's backward
+      transient + the gradients alive then (full ones when accumulated over micro-batches, the
+      BF16_Optimizer's fp32 accumulator always) + the ZeRO staging bucket;
+    gradient reduction (ZeRO-0): states + gradients + DeepSpeed's flat all-reduce copy;
+    optimizer step: states + the gradients the step reads (ZeRO: the flat partition and its fp32
+      copy) + Adam's temporaries (two of the largest stepped tensor for torch's unfused CPU AdamW;
+      none for the fused CUDA kernel megapost uses on GPUs).
+    The logits of the last micro-batch stay referenced by the training loop through the step."""
+    e, lay, n = prec.act_bytes, layout, layout.dp
     params = stage_parameters(cfg, lay.tp, lay.pp, stage)
-    states = model_state_bytes(params, lay.dp, lay.zero_stage, prec.bf16)
+    states = model_state_bytes(params, n, lay.zero_stage, prec.bf16)
+    kind = _optimizer_kind(lay.zero_stage, prec.bf16)
     n_layers = stage_layers(cfg.num_layers, lay.pp)[stage]
     tokens = lay.micro_batch * cfg.seq_length
     t_sp = tokens // lay.tp if lay.sequence_parallel else tokens
@@ -174,26 +192,47 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     in_flight = min(lay.pp - stage, lay.grad_accum) if lay.pp > 1 else 1
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
     act = in_flight * (kept + (2 * boundary if lay.pp > 1 else 0))
-    head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e)
-                                  if stage == lay.pp - 1 else (0, 0))
+    last = stage == lay.pp - 1
+    head_saved, head_transient = head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e) if last else (0, 0)
+    logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
     act += head_saved
     # buffers
-    zero_optimizer = lay.zero_stage >= 1 and not (prec.bf16 and lay.zero_stage == 1)
-    bucket = 0
-    if zero_optimizer and prec.contiguous_gradients:
-        bucket = prec.reduce_bucket_size * e * (2 if prec.overlap_comm else 1)
-    flat_allreduce = 4 * min(params, ZERO0_ALLREDUCE_ELEMENTS) if (lay.zero_stage == 0 and not prec.bf16) else 0
+    bucket = prec.reduce_bucket_size * e * (2 if prec.overlap_comm else 1) if (
+        kind == "zero" and prec.contiguous_gradients) else 0
+    flat_allreduce = 4 * min(params, ZERO0_ALLREDUCE_ELEMENTS) if kind == "torch" else 0
     pipe_buffers = 2 * boundary if lay.pp > 1 else 0
     buffers = max(bucket, flat_allreduce) + pipe_buffers
-    grads_full = states["gradients"]
-    static = states["weights"] + states["optimizer"] + bucket + pipe_buffers
-    grads_in_backward = grads_full if (zero_optimizer or prec.bf16 or lay.grad_accum > 1) else 0
+    full_grads = 4 * params if kind != "zero" or lay.zero_stage == 1 else 0  # fp32 grads held in full
+    model_states = states["weights"] + states["optimizer"]
+    if kind == "bf16_optimizer":
+        model_states += states["gradients"]  # the fp32 accumulator lives from initialisation on
+    accumulated = full_grads if (kind != "bf16_optimizer" and lay.grad_accum > 1) else 0
+    if kind == "zero" and lay.zero_stage == 2 and lay.grad_accum > 1:
+        accumulated = e * params // n
+    largest = 4 * params // n if kind != "torch" else 4 * _largest_tensor(cfg, lay.tp, stage, lay.pp)
+    adam_temps = 0 if prec.fused_adam else 2 * largest
+    if kind == "torch":
+        step_grads = full_grads
+    elif kind == "bf16_optimizer":
+        step_grads = 0
+    else:  # stage 1: param grads + the averaged flat partition; stage 2: the partition + its fp32 copy
+        step_grads = (full_grads + 4 * params // n) if lay.zero_stage == 1 else (e + 4) * params // n
     phases = {
-        "backward": static + act + recompute + head_transient + grads_in_backward,
-        "gradient reduction": static + grads_full + flat_allreduce,
+        "backward": model_states + act + recompute + head_transient + accumulated + bucket + pipe_buffers,
+        "optimizer step": model_states + logits + step_grads + adam_temps,
     }
-    return RankMemory(stage, params, states["weights"], grads_full, states["optimizer"], act + recompute,
-                      buffers, max(phases.values()), phases)
+    if kind == "torch":
+        phases["gradient reduction"] = model_states + logits + full_grads + flat_allreduce
+    return RankMemory(stage, params, states["weights"], states["gradients"], states["optimizer"],
+                      act + recompute, buffers, max(phases.values()), phases)
+
+
+def _largest_tensor(cfg: ModelConfig, tp: int, stage: int, pp: int) -> int:
+    """Elements of the largest parameter on the rank (the embedding or head shard, else W_1)."""
+    big = cfg.ffn_hidden_size * cfg.hidden_size // tp
+    if stage in (0, pp - 1):
+        big = max(big, cfg.vocab_size * cfg.hidden_size // tp)
+    return big
 
 
 def rank_memory(cfg: ModelConfig, layout: Layout, prec: Precision) -> list[RankMemory]:
