@@ -9,7 +9,9 @@ builds for megapost's config (``megapost/ds_config_builder.py``):
   partition 4P/N, plus the fp32 gradient partition flattened at the step 4P/N.
 - bf16, ZeRO-1 (``BF16_Optimizer``, chosen for bf16 + stage 1 + fp32 ``grad_accum_dtype``): bf16
   weights 2P, a flat fp32 gradient accumulator over all of this rank's parameters 4P (not
-  partitioned), fp32 master 4P/N and moments 8P/N.
+  partitioned), fp32 master 4P/N and moments 8P/N — Megatron's 6 + 12/N bytes with its distributed
+  optimizer — plus the bf16 param grads 2P it accumulates from (without ``immediate_grad_update``
+  they are zeroed, not freed, between micro-batches, and live until the step).
 - bf16, ZeRO-2: weights 2P and 18P/N (bf16 gradient partition 2, its fp32 copy at the step 4, master
   4, moments 8) — exactly ``estimate_zero2_model_states_mem_needs(..., cpu_offload=False)``.
 
@@ -111,8 +113,8 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, bf16: bool) -> dict
     if not bf16 and zero_stage == 0:
         return {"weights": 4 * params, "gradients": 4 * params, "optimizer": 8 * params}
     master_and_moments = 12 * params // n
-    if bf16 and zero_stage == 1:
-        return {"weights": 2 * params, "gradients": 4 * params, "optimizer": master_and_moments}
+    if bf16 and zero_stage == 1:  # fp32 accumulator + the bf16 param grads it is fed from
+        return {"weights": 2 * params, "gradients": 6 * params, "optimizer": master_and_moments}
     if bf16:  # ZeRO-2: bf16 partition + its fp32 copy at the step
         return {"weights": 2 * params, "gradients": 6 * params // n, "optimizer": master_and_moments}
     grads = 4 * params if zero_stage == 1 else 4 * params // n
@@ -189,13 +191,17 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
         recompute = min(k, n_layers) * per_layer
     else:
         kept, recompute = n_layers * per_layer, 0
-    in_flight = min(lay.pp - stage, lay.grad_accum) if lay.pp > 1 else 1
+    m = lay.grad_accum
+    in_flight = min(lay.pp - stage, m) if lay.pp > 1 else 1
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
-    act = in_flight * (kept + (2 * boundary if lay.pp > 1 else 0))
+    per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1
     head_saved, head_transient = head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e) if last else (0, 0)
     logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
-    act += head_saved
+    # DeepSpeed's pipeline keeps each buffer's outputs (the last stage's logits) until reused:
+    # max(2, in-flight) buffers, as many as there are micro-batches.
+    held_logits = (min(max(2, in_flight), m) - 1) * logits if lay.pp > 1 else 0
+    act = in_flight * per_micro + head_saved + held_logits
     # buffers
     bucket = prec.reduce_bucket_size * e * (2 if prec.overlap_comm else 1) if (
         kind == "zero" and prec.contiguous_gradients) else 0
@@ -204,27 +210,35 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     buffers = max(bucket, flat_allreduce) + pipe_buffers
     full_grads = 4 * params if kind != "zero" or lay.zero_stage == 1 else 0  # fp32 grads held in full
     model_states = states["weights"] + states["optimizer"]
-    if kind == "bf16_optimizer":
-        model_states += states["gradients"]  # the fp32 accumulator lives from initialisation on
-    accumulated = full_grads if (kind != "bf16_optimizer" and lay.grad_accum > 1) else 0
-    if kind == "zero" and lay.zero_stage == 2 and lay.grad_accum > 1:
+    if kind == "bf16_optimizer":  # the fp32 accumulator lives from initialisation on
+        model_states += 4 * params
+    # gradients alive while a later micro-batch runs backward: fp32 param grads (ZeRO-0/1), the
+    # ZeRO-2 partition, or the BF16_Optimizer's bf16 param grads (zeroed, not freed, between micro-batches)
+    accumulated = {"torch": full_grads, "bf16_optimizer": 2 * params}.get(kind, full_grads)
+    if kind == "zero" and lay.zero_stage == 2:
         accumulated = e * params // n
+    # the head's backward transient and a checkpointed segment's recompute do not overlap
+    transient = max(head_transient, recompute)
+    first = in_flight * per_micro + head_saved + held_logits + transient
+    later = ((in_flight if m > in_flight else in_flight - 1) * per_micro + head_saved + held_logits + transient
+             + accumulated) if m > 1 else 0
     largest = 4 * params // n if kind != "torch" else 4 * _largest_tensor(cfg, lay.tp, stage, lay.pp)
     adam_temps = 0 if prec.fused_adam else 2 * largest
     if kind == "torch":
         step_grads = full_grads
     elif kind == "bf16_optimizer":
-        step_grads = 0
+        step_grads = 2 * params
     else:  # stage 1: param grads + the averaged flat partition; stage 2: the partition + its fp32 copy
         step_grads = (full_grads + 4 * params // n) if lay.zero_stage == 1 else (e + 4) * params // n
     phases = {
-        "backward": model_states + act + recompute + head_transient + accumulated + bucket + pipe_buffers,
-        "optimizer step": model_states + logits + step_grads + adam_temps,
+        "backward": model_states + max(first, later) + bucket + pipe_buffers,
+        "optimizer step": model_states + logits + held_logits + step_grads + adam_temps,
     }
     if kind == "torch":
-        phases["gradient reduction"] = model_states + logits + full_grads + flat_allreduce
+        phases["gradient reduction"] = model_states + logits + held_logits + full_grads + flat_allreduce
+    act += recompute
     return RankMemory(stage, params, states["weights"], states["gradients"], states["optimizer"],
-                      act + recompute, buffers, max(phases.values()), phases)
+                      act, buffers, max(phases.values()), phases)
 
 
 def _largest_tensor(cfg: ModelConfig, tp: int, stage: int, pp: int) -> int:
