@@ -37,9 +37,9 @@ from .parallel import (
     padded_vocab_size,
     validate_layout,
 )
+from .plan import planned_rank_peak
 from .plugins import PluginContext, plugin_classes
 from .schedule import WarmupDecaySchedule
-from .plan import planned_rank_peak
 from .throughput import PeakMemory, measure_matmul_tflops
 from .training import Trainer
 from .utils.atomic import atomic_path

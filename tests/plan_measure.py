@@ -9,8 +9,8 @@ from typing import Any
 from dist_utils import run_ranks
 
 # 4 layers, d 256, seq 256, vocab padded to 4096: states and activations are MB-scale.
-MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "768", "--num-attention-heads", "4",
-         "--seq-length", "256", "--make-vocab-size-divisible-by", "4096"]
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "768",
+         "--num-attention-heads", "4", "--seq-length", "256", "--make-vocab-size-divisible-by", "4096"]
 
 
 def _tracked() -> None:

@@ -31,7 +31,8 @@ def test_parameter_counts_match_the_model(norm):
 
 
 def test_stage_layers_match_deepspeed_partition():
-    assert stage_layers(4, 3) == [2, 1, 1] and stage_layers(48, 8) == [6] * 8 and sum(stage_layers(7, 4)) == 7
+    assert stage_layers(4, 3) == (2, 1, 1) and stage_layers(48, 8) == (6,) * 8
+    assert sum(stage_layers(7, 4)) == 7
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,7 +108,8 @@ def test_cli_paper_180m(capsys):
 
 def test_cli_model_flags_and_tiny_memory(capsys):
     out = _plan_json(capsys, "--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "768",
-                     "--seq-length", "256", "--global-batch-size", "8", "--gpus", "4", "--gpu-memory-gb", "0.02")
+                     "--seq-length", "256", "--global-batch-size", "8", "--gpus", "4",
+                     "--gpu-memory-gb", "0.02")
     assert out["model"]["num_layers"] == 4 and out["not_fitting"]
     assert all(r["peak_gb"] <= 0.018 for r in out["fitting"])
 

@@ -21,19 +21,22 @@ CHEAP = [
     (1, "bf16 ZeRO-1 + checkpointing", ["--micro-batch-size", "2", "--global-batch-size", "2", "--bf16",
                                         "--zero-stage", "1", "--checkpoint-activations"]),
     (2, "TP2+SP fp32 ZeRO-1", ["--micro-batch-size", "2", "--global-batch-size", "2",
-                               "--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1"]),
+                               "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--zero-stage", "1"]),
 ]
 SLOW = [
     (2, "DP2 fp32 ZeRO-1", ["--micro-batch-size", "2", "--global-batch-size", "4", "--zero-stage", "1"]),
-    (2, "DP2 bf16 ZeRO-2", ["--micro-batch-size", "2", "--global-batch-size", "4", "--bf16", "--zero-stage", "2"]),
+    (2, "DP2 bf16 ZeRO-2", ["--micro-batch-size", "2", "--global-batch-size", "4", "--bf16",
+                            "--zero-stage", "2"]),
     (2, "TP2 fp32 ZeRO-0", ["--micro-batch-size", "2", "--global-batch-size", "2",
                             "--tensor-model-parallel-size", "2"]),
     (2, "PP2 fp32 ZeRO-1 ga2", ["--micro-batch-size", "2", "--global-batch-size", "4",
                                 "--pipeline-model-parallel-size", "2"]),
     (2, "PP2 + checkpointing", ["--micro-batch-size", "2", "--global-batch-size", "4",
                                 "--pipeline-model-parallel-size", "2", "--checkpoint-activations"]),
-    (4, "TP2+SP PP2", ["--micro-batch-size", "2", "--global-batch-size", "4", "--tensor-model-parallel-size", "2",
-                       "--pipeline-model-parallel-size", "2", "--sequence-parallel"]),
+    (4, "TP2+SP PP2", ["--micro-batch-size", "2", "--global-batch-size", "4",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--sequence-parallel"]),
 ]
 
 

@@ -28,7 +28,8 @@ def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True)
     )
 
 
-def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any, ds_config: dict[str, Any]) -> int:
+def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any,
+                      ds_config: dict[str, Any]) -> int:
     """The planner's peak bytes for this rank of a built run (its pipeline stage)."""
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
                     args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,

@@ -21,6 +21,7 @@ from .memory import Precision
 from .search import Candidate, candidates, rank_key, recommend
 
 GiB = 2**30
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
 
 
@@ -34,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-margin", type=float, default=0.10,
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
-    g.add_argument("--vocab-size", type=int, default=32000, help="tokenizer vocabulary (padded as the trainer does)")
+    g.add_argument("--vocab-size", type=int, default=32000,
+                   help="tokenizer vocabulary (padded as the trainer does)")
     g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
@@ -71,8 +73,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 def _row(c: Candidate) -> dict[str, object]:
     w = c.worst()
     return {"layout": c.layout.__dict__, "label": c.layout.label(), "fits": c.fits, "peak_gb": c.peak / GiB,
-            "worst_stage": w.stage, "memory_gb": {k: getattr(w, k) / GiB for k in
-                                                   ("weights", "gradients", "optimizer", "activations", "buffers")},
+            "worst_stage": w.stage, "memory_gb": {k: getattr(w, k) / GiB for k in COMPONENTS},
             "step_seconds": c.step_seconds, "tokens_per_second": c.tokens_per_second,
             "comm_gb_per_gpu": c.comm_bytes / GiB}
 
@@ -83,7 +84,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
                        memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
-                       mfu=args.mfu, clip_grad=args.clip_grad, checkpoint_num_layers=args.checkpoint_num_layers)
+                       mfu=args.mfu, clip_grad=args.clip_grad,
+                       checkpoint_num_layers=args.checkpoint_num_layers)
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
     return {
@@ -92,7 +94,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                   "vocab_padded": cfg.vocab_size, "seq_length": cfg.seq_length},
         "parameters": parameter_counts(cfg).as_dict(),
         "flops_per_token": cfg.flops_per_token(),
-        "cluster": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu_memory_gb": args.gpu_memory_gb,
+        "cluster": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+                    "gpu_memory_gb": args.gpu_memory_gb,
                     "usable_gb": args.gpu_memory_gb * (1 - args.memory_margin), "peak_tflops": peak,
                     "mfu": args.mfu, "precision": "fp32" if args.fp32 else "bf16",
                     "global_batch_size": args.global_batch_size},
@@ -105,7 +108,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
 def render(result: dict, top: int) -> str:
     p, m, c = result["parameters"], result["model"], result["cluster"]
     lines = [
-        f"model: {m['preset'] or 'custom'}  {m['num_layers']} x {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
+        f"model: {m['preset'] or 'custom'}  {m['num_layers']} x {m['hidden_size']}, "
+        f"ffn {m['ffn_hidden_size']}, "
         f"{m['heads']} heads, vocab {m['vocab_padded']}, seq {m['seq_length']}",
         f"parameters: {p['total'] / 1e9:.3f}B total | embedding {p['embedding'] / 1e6:.1f}M | head "
         f"{p['head'] / 1e6:.1f}M | per layer {p['per_layer'] / 1e6:.2f}M",
@@ -113,7 +117,8 @@ def render(result: dict, top: int) -> str:
         f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
         f"({c['usable_gb']:.1f} usable), {c['precision']}, global batch {c['global_batch_size']} x "
         f"{m['seq_length']}, {c['peak_tflops']:.0f} TFLOP/s peak at MFU {c['mfu']:.2f}",
-        f"{len(result['fitting'])} of {result['candidates']} layouts fit; fastest first (GiB per GPU, worst stage):",
+        f"{len(result['fitting'])} of {result['candidates']} layouts fit; fastest first "
+        "(GiB per GPU, worst stage):",
         f"  {'layout':40s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'activ':>7s} {'buffers':>7s} "
         f"{'peak':>7s} {'step s':>7s} {'tokens/s':>10s}",
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from megapost.model import ModelConfig
 
@@ -44,15 +45,16 @@ def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
     return ParameterCounts(embedding + head + cfg.num_layers * per_layer, embedding, head, per_layer)
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
+@cache
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
     """Blocks per pipeline stage as megapost's ``type:TransformerBlockPipe`` partition assigns them:
     DeepSpeed's ``partition_balanced`` over [embedding, blocks..., head] with weight 1 per block."""
     if pp == 1:
-        return [num_layers]
+        return (num_layers,)
     from deepspeed.runtime.utils import partition_balanced
 
     parts = partition_balanced([0] + [1] * num_layers + [0], pp)
-    return [sum(1 for i in range(parts[s], parts[s + 1]) if 1 <= i <= num_layers) for s in range(pp)]
+    return tuple(sum(1 for i in range(parts[s], parts[s + 1]) if 1 <= i <= num_layers) for s in range(pp))
 
 
 def stage_parameters(cfg: ModelConfig, tp: int, pp: int, stage: int) -> int:

@@ -196,7 +196,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
     per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1
-    head_saved, head_transient = head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e) if last else (0, 0)
+    head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e)
+                                  if last else (0, 0))
     logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
     # DeepSpeed's pipeline keeps each buffer's outputs (the last stage's logits) until reused:
     # max(2, in-flight) buffers, as many as there are micro-batches.
@@ -220,8 +221,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     # the head's backward transient and a checkpointed segment's recompute do not overlap
     transient = max(head_transient, recompute)
     first = in_flight * per_micro + head_saved + held_logits + transient
-    later = ((in_flight if m > in_flight else in_flight - 1) * per_micro + head_saved + held_logits + transient
-             + accumulated) if m > 1 else 0
+    alive = in_flight if m > in_flight else in_flight - 1  # micro-batches in flight at a later backward
+    later = (alive * per_micro + head_saved + held_logits + transient + accumulated) if m > 1 else 0
     largest = 4 * params // n if kind != "torch" else 4 * _largest_tensor(cfg, lay.tp, stage, lay.pp)
     adam_temps = 0 if prec.fused_adam else 2 * largest
     if kind == "torch":

@@ -51,7 +51,8 @@ def comm_bytes(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool) 
     tokens_rank = global_batch // lay.dp * cfg.seq_length
     layers = cfg.num_layers / lay.pp
     tp = 4 * layers * tokens_rank * cfg.hidden_size * e * 2 * (lay.tp - 1) / lay.tp
-    pp = 2 * tokens_rank * cfg.hidden_size * e / (lay.tp if lay.sequence_parallel else 1) if lay.pp > 1 else 0.0
+    sent = 2 * tokens_rank * cfg.hidden_size * e / (lay.tp if lay.sequence_parallel else 1)
+    pp = sent if lay.pp > 1 else 0.0
     params = parameter_counts(cfg).total / (lay.tp * lay.pp)
     ring = (lay.dp - 1) / lay.dp
     if lay.zero_stage == 2:
