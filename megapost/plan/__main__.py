@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from megapost.arguments import ConfigError, build_parser, explicit_dests
 from megapost.model import ModelConfig
-from megapost.parallel.layout import padded_vocab_size
 from megapost.presets import PRESETS
 
 from .counts import parameter_counts
@@ -57,15 +56,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    kw = {}
-    if getattr(args, "num_query_groups", None):
-        kw["num_query_groups"] = args.num_query_groups
+    """The trainer's own ModelConfig for these flags (vocabulary padded as it pads it)."""
+    from megapost.pretrain import model_config_from_args
+
     try:
-        return ModelConfig(
-            vocab_size=padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by),
-            num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-            norm_position=args.norm_position, **kw)
+        return model_config_from_args(args, args.vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -85,7 +80,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
                        memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
                        mfu=args.mfu, clip_grad=args.clip_grad,
-                       checkpoint_num_layers=args.checkpoint_num_layers)
+                       checkpoint_num_layers=args.checkpoint_num_layers,
+                       micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
     return {
