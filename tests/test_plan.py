@@ -120,3 +120,8 @@ def test_llama_7b_plans(capsys, gpus):
     out = _plan_json(capsys, "--preset", "llama-7b", "--gpus", str(gpus), "--gpu-memory-gb", "80")
     assert abs(out["parameters"]["total"] - 6.74e9) < 0.01e9
     assert out["recommended"] is not None and out["recommended"]["peak_gb"] <= 72.0
+
+
+def test_cli_bad_cluster_is_one_line_error():
+    with pytest.raises(SystemExit, match="--gpus must be >= 1"):
+        plan_main(["--gpus", "0"])

@@ -52,6 +52,8 @@ def _check(tiny_data, ds_config, world, flags):
     for rank, r in enumerate(ranks):
         assert r["measured_as"] == "live tensors"
         ratio = r["measured_bytes"] / r["planned_bytes"]
+        print(f"{flags}: rank {rank} measured {r['measured_bytes'] / 2**20:.1f} MiB, planned "
+              f"{r['planned_bytes'] / 2**20:.1f} MiB ({ratio:.3f}x)")
         assert abs(ratio - 1) <= TOLERANCE, (
             f"rank {rank}: measured {r['measured_bytes'] / 2**20:.1f} MiB vs planned "
             f"{r['planned_bytes'] / 2**20:.1f} MiB ({ratio:.2f}x)")
