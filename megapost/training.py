@@ -191,11 +191,11 @@ class Trainer:
             f"ETA {self.monitor.eta(st.iteration, self._start_iteration, args.train_iters)}"
         )
         st.losses = []
-        if not self.memory_report:
-            self._report_memory()
+        if not self.memory_report and st.iteration >= min(2, args.train_iters):
+            self._report_memory()  # from step 2 on the optimizer states exist: the steady-state peak
 
     def _report_memory(self) -> None:
-        """Once, at the first log line: this rank's measured peak beside the planner's prediction."""
+        """Once, at the first log line from step 2: this rank's measured peak beside the planner's."""
         measured, how = self.memory.peak()
         planned = self.memory.planned
         self.memory_report = {"measured_bytes": measured, "planned_bytes": planned, "measured_as": how}

@@ -15,8 +15,8 @@ from megapost.arguments import ConfigError, build_parser, explicit_dests
 from megapost.model import ModelConfig
 from megapost.presets import PRESETS
 
+from . import precision_from_ds_config
 from .counts import parameter_counts
-from .memory import Precision
 from .search import Candidate, candidates, rank_key, recommend
 
 GiB = 2**30
@@ -65,6 +65,17 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         raise ConfigError(str(e)) from None
 
 
+def _user_ds_config(args: argparse.Namespace) -> dict:
+    """--deepspeed_config's bucket settings change memory; read them as the trainer would."""
+    if not args.deepspeed_config:
+        return {}
+    try:
+        with open(args.deepspeed_config) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
+
+
 def _row(c: Candidate) -> dict[str, object]:
     w = c.worst()
     return {"layout": c.layout.__dict__, "label": c.layout.label(), "fits": c.fits, "peak_gb": c.peak / GiB,
@@ -75,7 +86,7 @@ def _row(c: Candidate) -> dict[str, object]:
 
 def plan(args: argparse.Namespace) -> dict[str, object]:
     cfg = model_config(args)
-    prec = Precision(bf16=not args.fp32)
+    prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}})
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
                        memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
