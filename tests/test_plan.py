@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -35,11 +36,8 @@ def test_stage_layers_match_deepspeed_partition():
     assert sum(stage_layers(7, 4)) == 7
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm):
-    """Every storage autograd keeps for one block's backward (weights aside), counted once."""
-    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm)
+def _saved_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 3) -> int:
+    """Bytes of every storage autograd keeps for one block's backward (weights aside), counted once."""
     block = TransformerBlock(cfg, 1).to(dtype)
     weights = {p.untyped_storage()._cdata for p in block.parameters()}
     saved: dict[int, int] = {}
@@ -50,11 +48,31 @@ def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm):
             saved[st._cdata] = st.nbytes()
         return t
 
-    x = torch.randn(3, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    x = torch.randn(batch, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm):
+    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm)
     e = 2 if dtype == torch.bfloat16 else 4
-    assert sum(saved.values()) == layer_activation_bytes(cfg, 3, 1, False, e)
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
+
+
+HAS_GQA = "num_query_groups" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+@pytest.mark.skipif(not HAS_GQA, reason="grouped-query attention lands with the ladder branch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_counts_and_activations(dtype):
+    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, num_query_groups=2)
+    model_count = sum(p.numel() for p in LlamaModel(cfg).parameters())
+    assert parameter_counts(cfg).total == cfg.num_parameters() == model_count
+    e = 2 if dtype == torch.bfloat16 else 4
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
 
 
 @pytest.mark.parametrize("params", [10**6, 6_738_415_616, 123_456_789])

@@ -7,6 +7,7 @@ cluster: GPUs, GPUs per node, memory per GPU, peak TFLOP/s and the MFU to predic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -146,7 +147,8 @@ def render(result: dict, top: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    result = plan(args)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time notices stay off stdout
+        result = plan(args)
     print(json.dumps(result, indent=1) if args.json else render(result, args.top))
 
 
