@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=32000,
                    help="tokenizer vocabulary (padded as the trainer does)")
     g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
+    g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
+                   help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
     return p
@@ -87,7 +89,8 @@ def _row(c: Candidate) -> dict[str, object]:
 
 def plan(args: argparse.Namespace) -> dict[str, object]:
     cfg = model_config(args)
-    prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}})
+    prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}},
+                                    norm_kernel=args.norm_kernel)
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
                        memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,

@@ -25,8 +25,9 @@ Ts = T/t under sequence parallelism, else T), counted from what autograd saves i
 (fused SDPA saves q, k, v, out and the fp32 log-sum-exp, never the s x s scores; RoPE saves only its
 tables; RMSNorm runs in fp32 and saves its fp32 input; residual adds save nothing):
 
-  per sublayer: RMSNorm (composite ``F.rms_norm`` in fp32) 8*Ts*h + 4*Ts (its fp32 input, the fp32
-  normalised x, 1/rms; + 4h for the gain's fp32 copy under bf16), the sublayer's full-sequence input
+  per sublayer: RMSNorm in fp32 8*Ts*h + 4*Ts on CPU (composite ``F.rms_norm``: its fp32 input, the
+  fp32 normalised x, 1/rms; + 4h for the gain's fp32 copy under bf16), 4*Ts*h + 4*Ts with torch's
+  fused CUDA kernel, e*Ts*h + 4*Ts with apex (``norm_bytes``), the sublayer's full-sequence input
   e*T*h (under SP the all-gathered copy the column-parallel linears keep);
   attention: e*T*(2h + 2kv)/t (q, k after RoPE, v, SDPA's output, which W_O reads as a view)
   + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head;
@@ -83,6 +84,7 @@ class Precision:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     fused_adam: bool = True  # torch's fused AdamW (megapost on CUDA); False: the unfused CPU loop
+    norm_kernel: str = "fused"  # "composite" on CPU, "fused" (torch) or "apex" on CUDA: norm_bytes
 
     @property
     def act_bytes(self) -> int:
@@ -121,19 +123,26 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, bf16: bool) -> dict
     return {"weights": 4 * params, "gradients": grads + 4 * params // n, "optimizer": master_and_moments}
 
 
-def norm_bytes(tokens: int, h: int, bf16: bool) -> int:
-    """RMSNorm (``F.rms_norm`` in fp32, composite): its fp32 input, 1/rms, the fp32 normalised x, and
-    under bf16 the gain's fp32 copy."""
-    return 8 * tokens * h + 4 * tokens + (4 * h if bf16 else 0)
+NORM_KERNELS = ("composite", "fused", "apex")
 
 
-def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int) -> int:
+def norm_bytes(tokens: int, h: int, bf16: bool, kernel: str = "composite") -> int:
+    """What megapost's RMSNorm saves: ``F.rms_norm`` on an fp32 copy of its input is composite on CPU
+    (the fp32 input, the fp32 normalised x, 1/rms) and torch's fused kernel on CUDA (fp32 input, 1/rms);
+    apex's FusedRMSNorm keeps the input in its own dtype and 1/rms. Under bf16 the gain's fp32 copy."""
+    gain = 4 * h if bf16 and kernel != "apex" else 0
+    per_token = {"composite": 8 * h, "fused": 4 * h, "apex": (2 if bf16 else 4) * h}[kernel]
+    return per_token * tokens + 4 * tokens + gain
+
+
+def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
+                           norm_kernel: str = "composite") -> int:
     """Saved activations of one block for one micro-batch (module docstring)."""
     h, f, s, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length, cfg.num_attention_heads
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
     kv = kv_groups_per_rank(cfg, tp) * cfg.head_dim if tp > 1 else kv_groups(cfg) * cfg.head_dim
-    sublayer = norm_bytes(t_sp, h, e == 2) + e * t_all * h
+    sublayer = norm_bytes(t_sp, h, e == 2, norm_kernel) + e * t_all * h
     attention = e * t_all * (2 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp) + 8 * s * cfg.head_dim
     mlp = 4 * e * t_all * f // tp
     return 2 * sublayer + attention + mlp
@@ -150,11 +159,12 @@ def korthikanti_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int = 1, sp:
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
 
 
-def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int) -> tuple[int, int]:
+def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
+               norm_kernel: str = "composite") -> tuple[int, int]:
     """(saved by the head for one micro-batch, extra transient in its backward)."""
     h, v, t_all = cfg.hidden_size, cfg.vocab_size // tp, micro_batch * cfg.seq_length
     t_sp = t_all // tp if sp else t_all
-    norm = norm_bytes(t_sp, h, e == 2) if cfg.norm_position == "pre" else 0
+    norm = norm_bytes(t_sp, h, e == 2, norm_kernel) if cfg.norm_position == "pre" else 0
     saved = norm + e * t_all * h + e * t_all * v + 4 * t_all * v
     return saved, 2 * 4 * t_all * v
 
@@ -184,7 +194,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     n_layers = stage_layers(cfg.num_layers, lay.pp)[stage]
     tokens = lay.micro_batch * cfg.seq_length
     t_sp = tokens // lay.tp if lay.sequence_parallel else tokens
-    per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e)
+    per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
+                                       prec.norm_kernel)
     if lay.checkpoint:
         k = lay.checkpoint_num_layers
         kept = -(-n_layers // k) * e * t_sp * cfg.hidden_size
@@ -196,8 +207,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
     per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1
-    head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e)
-                                  if last else (0, 0))
+    head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
+                                             prec.norm_kernel) if last else (0, 0))
     logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
     # DeepSpeed's pipeline keeps each buffer's outputs (the last stage's logits) until reused:
     # max(2, in-flight) buffers, as many as there are micro-batches.
