@@ -41,10 +41,13 @@ from .parallel import (
     padded_vocab_size,
 )
 from .peak_flops import resolve_peak
+from .plan import planned_rank_peak
 from .plugins import PluginContext, plugin_classes
 from .schedule import WarmupDecaySchedule
+from .throughput import PeakMemory
 from .training import Trainer
 from .utils.atomic import atomic_path
+from .utils.tensor_memory import LiveTensorMemory, tensor_memory_from_env
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -108,7 +111,14 @@ def build_plugins(classes: Sequence[type], args: argparse.Namespace, model_cfg: 
 
 
 def run(argv: Sequence[str]) -> dict[str, Any]:
-    """Parse, validate, build and train; returns the loss history (used by tests)."""
+    """Parse, validate, build and train; returns the loss history (used by tests). With
+    ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
+    log line shows the measured peak beside the planner's prediction (slower; for CPU checks)."""
+    with tensor_memory_from_env() as tracker:
+        return _run(argv, tracker)
+
+
+def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any]:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugins", default="")
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
@@ -165,6 +175,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
                         args.remeasure_peak)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
                       model_cfg.flops_per_token(), peak.tflops, device)
+    trainer.memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()

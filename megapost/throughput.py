@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -15,6 +16,29 @@ def memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss_kb / (2**20 if sys.platform != "darwin" else 2**30)
+
+
+class PeakMemory:
+    """This rank's peak memory since ``reset()``, named for how it was measured: the CUDA allocator's
+    max allocated, a ``LiveTensorMemory`` tracker's live tensor bytes, or else peak RSS (which is not
+    tensor memory); ``planned`` is the planner's prediction for this rank (bytes)."""
+
+    def __init__(self, device: torch.device, tracker: Any = None, planned: float = 0.0) -> None:
+        self.device, self.tracker, self.planned = device, tracker, planned
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.tracker is not None:
+            self.tracker.reset_peak()
+
+    def peak(self) -> tuple[float, str]:
+        """(bytes, what they are)."""
+        if self.device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(self.device)), "CUDA max allocated"
+        if self.tracker is not None:
+            return float(self.tracker.peak), "live tensors"
+        return memory_gb(self.device) * 2**30, "peak RSS, not tensor memory"
 
 
 class Throughput:

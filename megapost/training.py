@@ -22,7 +22,7 @@ from .hang_report import explain, is_collective_error, start_heartbeat
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
-from .throughput import Throughput, memory_gb
+from .throughput import PeakMemory, Throughput, memory_gb
 
 
 @dataclass
@@ -79,6 +79,8 @@ class Trainer:
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.batches: PluginBatches | None = None
         self.fail_at = injected_failure()
+        self.memory = PeakMemory(device)
+        self.memory_report: dict[str, Any] = {}
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -189,6 +191,17 @@ class Trainer:
             f"ETA {self.monitor.eta(st.iteration, self._start_iteration, args.train_iters)}"
         )
         st.losses = []
+        if not self.memory_report and st.iteration >= min(2, args.train_iters):
+            self._report_memory()  # from step 2 on the optimizer states exist: the steady-state peak
+
+    def _report_memory(self) -> None:
+        """Once, at the first log line from step 2: this rank's measured peak beside the planner's."""
+        measured, how = self.memory.peak()
+        planned = self.memory.planned
+        self.memory_report = {"measured_bytes": measured, "planned_bytes": planned, "measured_as": how}
+        ratio = f" ({measured / planned:.2f}x planned)" if planned and "RSS" not in how else ""
+        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank (python -m megapost.plan) | "
+                          f"measured {measured / 2**30:.3f} GB ({how}){ratio}")
 
     def _grad_norm(self) -> Any:
         """The engine's global grad norm as it keeps it (a device tensor on some paths): converted
@@ -221,6 +234,7 @@ class Trainer:
             self.measure_at_init()
         self.batches = PluginBatches(self.train_iter_fn(st.consumed_samples), self.pipeline)
         history: dict[str, Any] = {"train_loss": {}, "valid_loss": {}}
+        self.memory.reset()
         while st.iteration < args.train_iters:
             if self.fail_at == (self.pstate.global_rank, st.iteration + 1):
                 raise RuntimeError(f"MEGAPOST_FAIL_RANK: rank {self.fail_at[0]} fails at iteration "
@@ -243,6 +257,7 @@ class Trainer:
         if args.save and (not args.save_interval or st.iteration % args.save_interval):
             self.save()
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
+        history["memory"] = self.memory_report
         self.monitor.flush()
         return history
 

@@ -33,8 +33,11 @@ def test_resume_continues_exactly(tiny_data, tmp_path) -> None:
 
 def test_tensorboard_scalars_and_loss_falls(tiny_data, tmp_path) -> None:
     tb = tmp_path / "tb"
-    pretrain(tiny_model_flags(tiny_data, **{"--train-iters": 12, "--eval-interval": 6, "--eval-iters": 1,
-                                            "--log-interval": 4, "--tensorboard-dir": tb}))
+    flags = {"--train-iters": 12, "--eval-interval": 6, "--eval-iters": 1, "--log-interval": 4,
+             "--tensorboard-dir": tb}
+    proc = pretrain(tiny_model_flags(tiny_data, **flags))
+    # the planner's prediction beside the measurement, once (CPU without MEGAPOST_TENSOR_MEMORY: RSS)
+    assert proc.stdout.count(" memory: planned ") == 1 and "(peak RSS, not tensor memory)" in proc.stdout
     tags = scalar_tags(tb)
     for tag in ("train/lm_loss", "train/lr", "train/grad_norm", "train-vs-tokens/lm_loss",
                 "valid/lm_loss", "valid-vs-tokens/lm_loss", "throughput/tokens_per_sec",

@@ -1,0 +1,43 @@
+"""The memory and throughput planner (``python -m megapost.plan``): what fits where, and how fast."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from megapost.model import ModelConfig
+
+from .counts import ParameterCounts, parameter_counts
+from .memory import Layout, Precision, RankMemory, rank_memory, stage_memory
+
+__all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_counts", "planned_rank_peak",
+           "precision_from_ds_config", "rank_memory", "stage_memory"]
+
+
+def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
+                             norm_kernel: str = "fused") -> Precision:
+    """The settings of a (generated) DeepSpeed config that change memory."""
+    zero = ds_config.get("zero_optimization", {})
+    return Precision(
+        bf16=bool(ds_config.get("bf16", {}).get("enabled", False)),
+        reduce_bucket_size=int(zero.get("reduce_bucket_size", Precision.reduce_bucket_size)),
+        overlap_comm=bool(zero.get("overlap_comm", False)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        fused_adam=fused_adam, norm_kernel=norm_kernel,
+    )
+
+
+def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any,
+                      ds_config: dict[str, Any]) -> int:
+    """The planner's peak bytes for this rank of a built run (its pipeline stage)."""
+    layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
+                    args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
+                    pstate.sequence_parallel, args.checkpoint_num_layers)
+    cuda = torch.cuda.is_available()  # megapost.optimizer builds fused AdamW on CUDA only
+    from megapost.model.norm import _ApexRMSNorm
+
+    kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"
+    prec = precision_from_ds_config(ds_config, fused_adam=cuda, norm_kernel=kernel)
+    return stage_memory(cfg, layout, prec, pstate.pp_rank).peak

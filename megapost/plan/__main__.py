@@ -1,0 +1,159 @@
+"""``python -m megapost.plan --preset llama-7b --gpus 64 --gpu-memory-gb 80 [--json]``.
+
+Takes every model and batch flag of ``megapost.pretrain`` (a preset, then typed flags win), plus the
+cluster: GPUs, GPUs per node, memory per GPU, peak TFLOP/s and the MFU to predict speed at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Sequence
+
+from megapost.arguments import ConfigError, build_parser, explicit_dests
+from megapost.model import ModelConfig
+from megapost.presets import PRESETS
+
+from . import precision_from_ds_config
+from .counts import parameter_counts
+from .search import Candidate, candidates, rank_key, recommend
+
+GiB = 2**30
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
+DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.prog, p.description = "python -m megapost.plan", __doc__
+    g = p.add_argument_group("cluster")
+    g.add_argument("--gpus", type=int, required=True)
+    g.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
+    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU, GiB")
+    g.add_argument("--memory-margin", type=float, default=0.10,
+                   help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
+    g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
+    g.add_argument("--vocab-size", type=int, default=32000,
+                   help="tokenizer vocabulary (padded as the trainer does)")
+    g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
+    g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
+                   help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
+    g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
+    g.add_argument("--json", action="store_true", help="print everything as JSON")
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(list(argv))
+    args.explicit = explicit_dests(parser, argv)
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            if key not in args.explicit:
+                setattr(args, key, value)
+    if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
+        raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The trainer's own ModelConfig for these flags (vocabulary padded as it pads it)."""
+    from megapost.pretrain import model_config_from_args
+
+    try:
+        return model_config_from_args(args, args.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _user_ds_config(args: argparse.Namespace) -> dict:
+    """--deepspeed_config's bucket settings change memory; read them as the trainer would."""
+    if not args.deepspeed_config:
+        return {}
+    try:
+        with open(args.deepspeed_config) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
+
+
+def _row(c: Candidate) -> dict[str, object]:
+    w = c.worst()
+    return {"layout": c.layout.__dict__, "label": c.layout.label(), "fits": c.fits, "peak_gb": c.peak / GiB,
+            "worst_stage": w.stage, "memory_gb": {k: getattr(w, k) / GiB for k in COMPONENTS},
+            "step_seconds": c.step_seconds, "tokens_per_second": c.tokens_per_second,
+            "comm_gb_per_gpu": c.comm_bytes / GiB}
+
+
+def plan(args: argparse.Namespace) -> dict[str, object]:
+    cfg = model_config(args)
+    prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}},
+                                    norm_kernel=args.norm_kernel)
+    peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
+    cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
+                       memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
+                       mfu=args.mfu, clip_grad=args.clip_grad,
+                       checkpoint_num_layers=args.checkpoint_num_layers,
+                       micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
+    best = recommend(cands)
+    fitting = sorted((c for c in cands if c.fits), key=rank_key)
+    return {
+        "model": {"preset": args.preset, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                  "ffn_hidden_size": cfg.ffn_hidden_size, "heads": cfg.num_attention_heads,
+                  "vocab_padded": cfg.vocab_size, "seq_length": cfg.seq_length},
+        "parameters": parameter_counts(cfg).as_dict(),
+        "flops_per_token": cfg.flops_per_token(),
+        "cluster": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+                    "gpu_memory_gb": args.gpu_memory_gb,
+                    "usable_gb": args.gpu_memory_gb * (1 - args.memory_margin), "peak_tflops": peak,
+                    "mfu": args.mfu, "precision": "fp32" if args.fp32 else "bf16",
+                    "global_batch_size": args.global_batch_size},
+        "candidates": len(cands), "fitting": [_row(c) for c in fitting],
+        "not_fitting": [_row(c) for c in cands if not c.fits],
+        "recommended": _row(best) if best else None,
+    }
+
+
+def render(result: dict, top: int) -> str:
+    p, m, c = result["parameters"], result["model"], result["cluster"]
+    lines = [
+        f"model: {m['preset'] or 'custom'}  {m['num_layers']} x {m['hidden_size']}, "
+        f"ffn {m['ffn_hidden_size']}, "
+        f"{m['heads']} heads, vocab {m['vocab_padded']}, seq {m['seq_length']}",
+        f"parameters: {p['total'] / 1e9:.3f}B total | embedding {p['embedding'] / 1e6:.1f}M | head "
+        f"{p['head'] / 1e6:.1f}M | per layer {p['per_layer'] / 1e6:.2f}M",
+        f"FLOPs per token (fwd+bwd): {result['flops_per_token'] / 1e9:.2f} GFLOP",
+        f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
+        f"({c['usable_gb']:.1f} usable), {c['precision']}, global batch {c['global_batch_size']} x "
+        f"{m['seq_length']}, {c['peak_tflops']:.0f} TFLOP/s peak at MFU {c['mfu']:.2f}",
+        f"{len(result['fitting'])} of {result['candidates']} layouts fit; fastest first "
+        "(GiB per GPU, worst stage):",
+        f"  {'layout':40s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'activ':>7s} {'buffers':>7s} "
+        f"{'peak':>7s} {'step s':>7s} {'tokens/s':>10s}",
+    ]
+    for row in result["fitting"][:top]:
+        g = row["memory_gb"]
+        lines.append(f"  {row['label']:40s} {g['weights']:7.2f} {g['gradients']:7.2f} {g['optimizer']:7.2f} "
+                     f"{g['activations']:7.2f} {g['buffers']:7.2f} {row['peak_gb']:7.2f} "
+                     f"{row['step_seconds']:7.2f} {row['tokens_per_second']:10.0f}")
+    best = result["recommended"]
+    if best:
+        lines.append(f"recommended: {best['label']} -> {best['peak_gb']:.1f} GiB/GPU, "
+                     f"{best['step_seconds']:.2f} s/step, {best['tokens_per_second']:,.0f} tokens/s "
+                     f"at MFU {c['mfu']:.2f}")
+    else:
+        lines.append("recommended: none fits; add GPUs, lower --micro-batch/--seq-length, or use more memory")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time notices stay off stdout
+        result = plan(args)
+    print(json.dumps(result, indent=1) if args.json else render(result, args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The planner's closed forms against the real model, DeepSpeed's estimators and Megatron's anchors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megapost.model import LlamaModel, ModelConfig, TransformerBlock
+from megapost.plan.__main__ import main as plan_main
+from megapost.plan.counts import parameter_counts, stage_layers, stage_parameters
+from megapost.plan.memory import Layout, Precision, layer_activation_bytes, model_state_bytes, stage_memory
+from megapost.presets import PRESETS
+
+SMALL = dict(vocab_size=512, num_layers=3, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+             seq_length=32)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_parameter_counts_match_the_model(norm):
+    cfg = ModelConfig(**SMALL, norm_position=norm)
+    counts = parameter_counts(cfg)
+    model = LlamaModel(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
+    assert counts.per_layer == sum(p.numel() for p in model.layers[0].parameters())
+    assert sum(stage_parameters(cfg, 1, 3, s) for s in range(3)) == counts.total
+    # TP shards everything but the norm gains
+    gains = 2 * cfg.hidden_size * cfg.num_layers + (cfg.hidden_size if norm == "pre" else 0)
+    assert 2 * (stage_parameters(cfg, 2, 1, 0) - gains) == counts.total - gains
+
+
+def test_stage_layers_match_deepspeed_partition():
+    assert stage_layers(4, 3) == (2, 1, 1) and stage_layers(48, 8) == (6,) * 8
+    assert sum(stage_layers(7, 4)) == 7
+
+
+def _saved_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 3) -> int:
+    """Bytes of every storage autograd keeps for one block's backward (weights aside), counted once."""
+    block = TransformerBlock(cfg, 1).to(dtype)
+    weights = {p.untyped_storage()._cdata for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in weights:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    x = torch.randn(batch, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm):
+    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm)
+    e = 2 if dtype == torch.bfloat16 else 4
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
+
+
+HAS_GQA = "num_query_groups" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+@pytest.mark.skipif(not HAS_GQA, reason="grouped-query attention lands with the ladder branch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_counts_and_activations(dtype):
+    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, num_query_groups=2)
+    model_count = sum(p.numel() for p in LlamaModel(cfg).parameters())
+    assert parameter_counts(cfg).total == cfg.num_parameters() == model_count
+    e = 2 if dtype == torch.bfloat16 else 4
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
+
+
+@pytest.mark.parametrize("params", [10**6, 6_738_415_616, 123_456_789])
+@pytest.mark.parametrize("gpus", [1, 2, 8, 64])
+def test_bf16_zero2_model_states_equal_deepspeed_estimator(params, gpus):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    ours = sum(model_state_bytes(params, gpus, 2, bf16=True).values())
+    _, gpu_mem = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, cpu_offload=False)
+    assert abs(ours - gpu_mem) <= 2  # DeepSpeed rounds 18P/N once, we round per term
+
+
+@pytest.mark.parametrize("dp", [1, 4, 32])
+def test_bf16_zero1_matches_megatron_bytes_per_parameter(dp):
+    """Megatron's theoretical_memory_usage.py: 18 bytes/parameter without its distributed optimizer,
+    6 + 12/DP with it (bf16 weights, fp32 grads, fp32 master + Adam). DeepSpeed's BF16_Optimizer
+    (megapost's bf16 ZeRO-1) is the latter plus the bf16 param grads (2P) it accumulates from."""
+    params = 12_000_000
+    ours = sum(model_state_bytes(params, dp, 1, bf16=True).values())
+    assert ours - 2 * params == params * 6 + 12 * params // dp
+    if dp == 1:
+        assert ours - 2 * params == 18 * params
+
+
+def test_memory_phases_and_checkpointing():
+    cfg = ModelConfig(**SMALL)
+    prec = Precision(bf16=True, reduce_bucket_size=10**6)
+    full = stage_memory(cfg, Layout(1, 1, 2, 1, 4, 2), prec, 0)
+    ckpt = stage_memory(cfg, Layout(1, 1, 2, 1, 4, 2, checkpoint=True), prec, 0)
+    assert ckpt.activations < full.activations and ckpt.weights == full.weights
+    first = stage_memory(cfg, Layout(1, 3, 1, 1, 4, 8), prec, 0)
+    last = stage_memory(cfg, Layout(1, 3, 1, 1, 4, 8), prec, 2)
+    assert first.activations > last.activations - 1  # 3 micro-batches in flight vs 1 (+ logits)
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    plan_main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_paper_180m(capsys):
+    out = _plan_json(capsys, "--preset", "paper-180m", "--gpus", "8", "--gpu-memory-gb", "80")
+    cfg = ModelConfig(vocab_size=32000, num_layers=48, hidden_size=512, ffn_hidden_size=1536,
+                      num_attention_heads=4, seq_length=2048)
+    assert out["parameters"]["total"] == cfg.num_parameters()
+    assert out["flops_per_token"] == cfg.flops_per_token()
+    best = out["recommended"]
+    assert best["fits"] and best["peak_gb"] <= 72.0 and best["tokens_per_second"] > 0
+    assert all(r["layout"]["zero_stage"] <= 1 for r in out["fitting"] if r["layout"]["pp"] > 1)
+
+
+def test_cli_model_flags_and_tiny_memory(capsys):
+    out = _plan_json(capsys, "--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "768",
+                     "--seq-length", "256", "--global-batch-size", "8", "--gpus", "4",
+                     "--gpu-memory-gb", "0.02")
+    assert out["model"]["num_layers"] == 4 and out["not_fitting"]
+    assert all(r["peak_gb"] <= 0.018 for r in out["fitting"])
+
+
+@pytest.mark.skipif("llama-7b" not in PRESETS, reason="the llama-7b preset lands with the ladder branch")
+@pytest.mark.parametrize("gpus", [8, 64, 512])
+def test_llama_7b_plans(capsys, gpus):
+    out = _plan_json(capsys, "--preset", "llama-7b", "--gpus", str(gpus), "--gpu-memory-gb", "80")
+    assert abs(out["parameters"]["total"] - 6.74e9) < 0.01e9
+    assert out["recommended"] is not None and out["recommended"]["peak_gb"] <= 72.0
+
+
+def test_cli_bad_cluster_is_one_line_error():
+    with pytest.raises(SystemExit, match="--gpus must be >= 1"):
+        plan_main(["--gpus", "0"])
