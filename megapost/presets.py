@@ -47,7 +47,8 @@ def _rung(layers: int, hidden: int, heads: int, lr: float, global_batch: int, mi
     tokens_per_step = global_batch * seq_length
     return dict(
         **model, **_LADDER_COMMON, micro_batch_size=micro_batch, global_batch_size=global_batch,
-        lr=lr, min_lr=round(lr / 10, 12), lr_warmup_iters=warmup or round(GPT3_WARMUP_TOKENS / tokens_per_step),
+        lr=lr, min_lr=round(lr / 10, 12),
+        lr_warmup_iters=warmup or round(GPT3_WARMUP_TOKENS / tokens_per_step),
         train_iters=chinchilla_iters(model, global_batch, seq_length), **extra,
     )
 

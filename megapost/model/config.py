@@ -77,6 +77,13 @@ class ModelConfig:
         drop = split["embedding"] + split["head"] if non_embedding else 0
         return sum(split.values()) - drop
 
+    def parameter_summary(self) -> str:
+        """E.g. "6738.42M parameters (262.14M embedding + head, 6476.27M non-embedding)"."""
+        total, body = self.num_parameters(), self.num_parameters(non_embedding=True)
+        gqa = f", GQA {self.kv_groups} K/V heads" if self.kv_groups != self.num_attention_heads else ""
+        return (f"{total / 1e6:.2f}M parameters ({(total - body) / 1e6:.2f}M embedding + head, "
+                f"{body / 1e6:.2f}M non-embedding){gqa}")
+
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward+backward = 3x forward; matmuls and attention scores).
         Grouped-query attention shrinks only the K/V projections; scores and P V use every query head."""
