@@ -8,8 +8,7 @@ SwiGLU: W_1, W_3 column-parallel, W_2 row-parallel. The input of each sublayer i
 forward pre-hook on the attention/MLP module, and shared by its column-parallel projections:
 ``copy_to_tp_region``, or under sequence parallelism ``gather_from_sequence_region``, so attention
 sees the full sequence (RoPE and the prefix-averaging intervention need no change). Row-parallel
-outputs are all-reduced, or
-reduce-scattered back into sequence shards.
+outputs are all-reduced, or reduce-scattered back into sequence shards.
 
 Under sequence parallelism the residual stream, the RMSNorms and the probes between sublayers work on
 [b, s/tp, h]; the embedding output is reduce-scattered into those shards and the head all-gathers its
