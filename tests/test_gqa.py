@@ -161,7 +161,7 @@ def _gqa(tp: int, pp: int, dp: int, groups: int, slow: bool = False, **kw: objec
 GQA_LAYOUTS = [
     _gqa(2, 1, 1, groups=2),  # K/V heads split over TP
     _gqa(2, 1, 1, groups=1, sp=True, checkpoint_activations=True, probes=True),  # K/V replicated
-    _gqa(1, 2, 1, groups=2, probes=True),
+    _gqa(1, 2, 1, groups=2, slow=True, probes=True),
     _gqa(2, 2, 1, groups=1, slow=True, sp=True),
     _gqa(2, 1, 2, groups=1, slow=True, zero_stage=2),
     _gqa(2, 1, 1, groups=1, slow=True, optimizer="sgd", lr=0.5),
