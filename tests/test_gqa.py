@@ -8,7 +8,13 @@ import math
 
 import pytest
 import torch
-from dist_utils import RunSpec, check_layout_matches_single_process
+from dist_utils import (
+    RunSpec,
+    check_layout_matches_single_process,
+    run_ranks,
+    synthetic_micro_batch,
+    tiny_config,
+)
 
 from megapost.arguments import ConfigError, parse_args, validate_args
 from megapost.model import LlamaModel, ModelConfig
@@ -166,6 +172,39 @@ GQA_LAYOUTS = [
     _gqa(2, 1, 2, groups=1, slow=True, zero_stage=2),
     _gqa(2, 1, 1, groups=1, slow=True, optimizer="sgd", lr=0.5),
 ]
+
+
+def block_gradients(tp: int, groups: int, sp: bool) -> dict[str, torch.Tensor]:
+    """Logits-loss gradients of every full parameter after one forward/backward at TP ``tp`` (per rank)."""
+    from megapost.parallel import build_model, full_state_dict, initialize_parallel
+
+    pstate = initialize_parallel(tp, 1, sp)
+    cfg = tiny_config(norm_position="pre", num_query_groups=groups)
+    model, loss_fn = build_model(cfg, pstate)
+    tokens, labels, mask = synthetic_micro_batch(RunSpec(), cfg, 0, 0)
+    loss = loss_fn(model(tokens), labels, mask)
+    loss.backward()
+    counted = [p.grad for p in model.parameters()  # what DeepSpeed's global gradient norm sums here
+               if getattr(p, "tensor_model_parallel", False) or pstate.tp_rank == 0]
+    with torch.no_grad():
+        for p in model.parameters():  # gather the gradients through the parameters' shard tags
+            p.copy_(p.grad)
+    return {"loss": loss.detach(), "norm_sq": sum(float(g.double().square().sum()) for g in counted),
+            **full_state_dict(model, pstate)}
+
+
+def test_replicated_kv_over_two_slots_matches_one_process() -> None:
+    """TP 4 with 2 K/V groups (each held by 2 ranks) under sequence parallelism: the loss, every gathered
+    gradient (K/V summed within each pair of ranks) and the gradient norm equal the single process's."""
+    ref = block_gradients(1, 2, False)
+    ranks = run_ranks(block_gradients, 4, 4, 2, True)
+    # each replicated K/V slice counts once in the global gradient norm (tagged on its first rank only)
+    assert sum(r.pop("norm_sq") for r in ranks) == pytest.approx(ref.pop("norm_sq"), rel=1e-6)
+    for out in ranks:
+        assert out.keys() == ref.keys()
+        for k in ref:
+            scale = float(ref[k].abs().max())
+            assert float((out[k] - ref[k]).abs().max()) <= 1e-5 * scale, k
 
 
 @pytest.mark.parametrize("spec, dp", GQA_LAYOUTS)
