@@ -22,6 +22,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--ffn-hidden-size", type=int, default=384)
     g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int,
+                   help="grouped-query attention: K/V heads (must divide the heads; default: one per head)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Megatron's switch for --num-query-groups (which alone is enough here)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--norm-position", choices=["post", "pre"], default="post")
     g.add_argument("--norm-eps", type=float, default=1e-5)
@@ -162,6 +166,19 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
     return args
 
 
+def _check_query_groups(args: argparse.Namespace, tp: int) -> None:
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.group_query_attention and groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups G (the number of K/V heads)")
+    if groups is None:
+        return
+    if groups < 1 or heads % groups:
+        raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+    if groups % tp and tp % groups:
+        raise ConfigError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must "
+                          "divide the other (K/V heads are split over TP ranks, or replicated when fewer)")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Checks that need no data or model: batch arithmetic, layout, paths."""
     check_counts(args)
@@ -187,6 +204,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's "
             "pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1"
         )
+    _check_query_groups(args, tp)
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if not args.tokenizer_model:

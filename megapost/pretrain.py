@@ -55,7 +55,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         vocab_size=(hf.vocab_for(args, vocab_size)
                     or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)),
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
         norm_position=args.norm_position, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
         init_variance=args.init_variance, init_method_std=args.init_method_std,
         scaled_output_init=args.scaled_output_init, sublayer_init_multiplier=args.init_sublayer_multiplier,
@@ -182,7 +183,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     elif args.load_hf:
         hf.load_hf_weights(engine, pstate, args.load_hf)
         monitor.line(f" loaded the weights of {args.load_hf}")
-    monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
+    monitor.line(f" megapost: {model_cfg.parameter_summary()}, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
     if pstate.is_logging_rank and args.tensorboard_dir:

@@ -17,7 +17,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -266,3 +266,44 @@ def relative_update_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
     num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
     den = sum(float((b[k] - start[k]).double().pow(2).sum()) for k in b)
     return (num / den) ** 0.5
+
+
+# ----------------------------------------------------------------------------- layout vs single process
+
+_references: dict[str, dict[str, Any]] = {}
+
+
+def reference(spec: RunSpec) -> dict[str, Any]:
+    """The single-process run of ``spec``'s model, data and optimizer (cached per session)."""
+    key = replace(spec, tp=1, pp=1, sp=False, checkpoint_activations=False, probes=False)
+    if repr(key) not in _references:
+        _references[repr(key)] = run_layout(key)[0]
+    return _references[repr(key)]
+
+
+def check_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
+    """``spec`` on tp x pp x dp ranks trains like one process (tolerances: tests/test_parallel_layouts.py):
+    identical initial weights, per-step losses and global gradient norms within 1e-5 relative, weights
+    after training within 1e-5 (SGD) / 1e-4 (AdamW) of the distance trained; probes once per micro-batch."""
+    ref = reference(spec)
+    ranks = run_layout(spec, dp)
+    out = ranks[0]
+    sgd = spec.optimizer == "sgd"
+    diffs = {
+        "loss": max_rel_diff(out["losses"], ref["losses"]),
+        "grad_norm": max_rel_diff(out["grad_norms"], ref["grad_norms"]) if ref["grad_norms"][0] else 0.0,
+        "param_abs": max_param_diff(out["params"], ref["params"]),
+        "param_rel_update": relative_update_diff(out["params"], ref["params"], ref["params0"]),
+    }
+    print(f"\n{spec.tp}x{spec.pp}x{dp} sp={spec.sp} {spec.optimizer} zero{spec.zero_stage}: "
+          + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+    assert max_param_diff(out["params0"], ref["params0"]) == 0.0, "initial weights depend on the layout"
+    assert all(r["losses"] == out["losses"] for r in ranks), "ranks disagree on the loss"
+    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5, diffs
+    assert diffs["param_rel_update"] <= (1e-5 if sgd else 1e-4), diffs
+    assert diffs["param_abs"] <= (1e-6 if sgd else 1e-4), diffs
+    if spec.probes:  # every probe reported once per micro-batch, checkpointed or not, and its dL/dY hook ran
+        micro_batches = spec.steps * out["gas"]
+        for r in ranks:
+            assert set(r["probe_forward"].values()) == {micro_batches}, r["probe_forward"]
+            assert set(r["probe_backward"].values()) == {micro_batches}, r["probe_backward"]

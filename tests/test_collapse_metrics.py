@@ -1,4 +1,5 @@
-"""Collapse metrics against brute force on a 3-layer d=32 model (both norm placements), one process."""
+"""Collapse metrics against brute force on a 3-layer d=32 model (both norm placements, MHA and GQA), one
+process."""
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ def check_against_reference(plugin, ref, grads=None, rel=1e-5, skip=()):
     assert_close(step["t_sim_head"], ref["head"], rel, "t_sim head")
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_step_matches_brute_force(norm):
-    cfg = small_config(norm)
+@pytest.mark.parametrize("norm, groups", [("post", None), ("pre", None), ("post", 2), ("pre", 1)])
+def test_step_matches_brute_force(norm, groups):
+    cfg = small_config(norm, num_query_groups=groups)  # groups: grouped-query attention (probes unchanged)
     torch.manual_seed(0)
     model = LlamaModel(cfg)
     plugin = make_plugin(cfg)

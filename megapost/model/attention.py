@@ -1,4 +1,5 @@
-"""Causal multi-head attention with RoPE, fused SDPA and the prefix-averaging intervention."""
+"""Causal multi-head (or grouped-query) attention with RoPE, fused SDPA and the prefix-averaging
+intervention."""
 
 from __future__ import annotations
 
@@ -16,9 +17,17 @@ def causal_running_mean(v: torch.Tensor) -> torch.Tensor:
     return (v.float().cumsum(dim=-2) / counts).to(v.dtype)
 
 
+def repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, g, s, d_h] -> [b, g * n_rep, s, d_h]: K/V head j serves query heads j*n_rep .. j*n_rep+n_rep-1
+    (the Llama / HF ``repeat_kv`` convention)."""
+    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
+
+
 class Attention(nn.Module):
-    """softmax(QK^T/sqrt(d_h)) V W_O per head; heads are inferred from the projection width, so a
-    tensor-parallel wrapper can shard W_Q/W_K/W_V by columns and W_O by rows without changes here."""
+    """softmax(QK^T/sqrt(d_h)) V W_O per head; heads are inferred from the projection widths, so a
+    tensor-parallel wrapper can shard W_Q/W_K/W_V by columns and W_O by rows without changes here.
+    With grouped-query attention W_K and W_V are ``num_query_groups * d_h`` wide and query head h reads
+    K/V head h // (heads / groups)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -27,8 +36,8 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.prefix_alpha = cfg.prefix_alpha
         self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, cfg.kv_size, bias=False)
+        self.wv = nn.Linear(d, cfg.kv_size, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
         self._rope: tuple[torch.Tensor, ...] | None = None
 
@@ -46,8 +55,10 @@ class Attention(nn.Module):
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         cos, sin = self._rope_tables(q.shape[2], x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n_rep = q.shape[1] // k.shape[1]
+        gqa = {"enable_gqa": True} if n_rep > 1 else {}
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         if self.prefix_alpha:
-            out = out - self.prefix_alpha * causal_running_mean(v)
+            out = out - self.prefix_alpha * repeat_kv(causal_running_mean(v), n_rep)
         out = out.transpose(1, 2).reshape(b, q.shape[2], -1)
         return self.wo(out)

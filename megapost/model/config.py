@@ -14,6 +14,7 @@ class ModelConfig:
     hidden_size: int = 64
     ffn_hidden_size: int = 192
     num_attention_heads: int = 4
+    num_query_groups: int | None = None  # K/V heads (grouped-query attention); None: = heads (MHA)
     seq_length: int = 128
     norm_position: str = "post"  # "post" (norm after each residual add) | "pre"
     norm_eps: float = 1e-5
@@ -37,22 +38,56 @@ class ModelConfig:
             )
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError("head dimension (hidden/heads) must be even for RoPE")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise ValueError(f"--num-query-groups {groups} must be >= 1 and divide "
+                             f"--num-attention-heads {self.num_attention_heads}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def num_parameters(self) -> int:
-        """Exact parameter count (embedding and head untied)."""
-        d, f, v, n = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
-        per_layer = 4 * d * d + 3 * d * f + 2 * d
-        final_norm = d if self.norm_position == "pre" else 0
-        return 2 * v * d + n * per_layer + final_norm
+    @property
+    def kv_groups(self) -> int:
+        """Number of K/V heads: ``num_query_groups``, or every query head its own (MHA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the K and V projections."""
+        return self.kv_groups * self.head_dim
+
+    def _layer_matmul_weights(self) -> int:
+        d = self.hidden_size
+        return 2 * d * d + 2 * d * self.kv_size + 3 * d * self.ffn_hidden_size  # W_Q, W_O; W_K, W_V; FFN
+
+    def parameter_split(self) -> dict[str, int]:
+        """Exact parameter counts by part (embedding and head untied; RMSNorm gains, no biases)."""
+        d, v = self.hidden_size, self.vocab_size
+        return {
+            "embedding": v * d,
+            "head": v * d,
+            "layers": self.num_layers * (self._layer_matmul_weights() + 2 * d),
+            "final_norm": d if self.norm_position == "pre" else 0,
+        }
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Exact parameter count; ``non_embedding`` leaves out the embedding and LM-head matrices."""
+        split = self.parameter_split()
+        drop = split["embedding"] + split["head"] if non_embedding else 0
+        return sum(split.values()) - drop
+
+    def parameter_summary(self) -> str:
+        """E.g. "6738.42M parameters (262.14M embedding + head, 6476.27M non-embedding)"."""
+        total, body = self.num_parameters(), self.num_parameters(non_embedding=True)
+        gqa = f", GQA {self.kv_groups} K/V heads" if self.kv_groups != self.num_attention_heads else ""
+        return (f"{total / 1e6:.2f}M parameters ({(total - body) / 1e6:.2f}M embedding + head, "
+                f"{body / 1e6:.2f}M non-embedding){gqa}")
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward+backward = 3x forward; matmuls and attention scores)."""
-        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        n, s = self.num_layers, self.seq_length
-        matmul = n * (4 * d * d + 3 * d * f) + d * v
+        """Model FLOPs per trained token (forward+backward = 3x forward; matmuls and attention scores).
+        Grouped-query attention shrinks only the K/V projections; scores and P V use every query head."""
+        d, v, n, s = self.hidden_size, self.vocab_size, self.num_layers, self.seq_length
+        matmul = n * self._layer_matmul_weights() + d * v
         attention = n * s * d  # QK^T and PV, causal half of 2 * s * d each
         return 6.0 * matmul + 6.0 * attention

@@ -24,8 +24,12 @@ def full_state_dict(model: nn.Module, pstate: ParallelState) -> dict[str, torch.
     local = {}
     for name, param in model.named_parameters():
         tensor = param.detach()
-        if getattr(param, "tensor_model_parallel", False) and pstate.tp_size > 1:
+        if hasattr(param, "partition_dim") and pstate.tp_size > 1:
             tensor = C.all_gather(tensor, param.partition_dim, pstate.tp_group)
+            replicas = getattr(param, "partition_replicas", 1)  # keep one copy of each replicated slice
+            if replicas > 1:
+                tensor = torch.cat(tensor.chunk(pstate.tp_size, param.partition_dim)[::replicas],
+                                   param.partition_dim)
         local[rename(name)] = tensor.cpu().clone()
     if pstate.pp_size == 1:
         return local

@@ -5,6 +5,12 @@ on the layout. Sharded parameters carry the attributes DeepSpeed and Megatron to
 ``tensor_model_parallel`` (DeepSpeed's ``is_model_parallel_parameter``, used to count a shard in the
 gradient norm on every tensor-parallel rank), ``partition_dim`` and ``partition_stride``. Parameter
 names (``weight``, ``bias``) are those of the module replaced, so state dicts keep their keys.
+
+A weight split into fewer slices than TP ranks (grouped-query K/V with fewer groups than ranks) is
+*replicated*: ``partition_replicas`` = r consecutive ranks hold each slice, rank t slice t // r, and
+only the first of them is tagged ``tensor_model_parallel`` so the slice counts once in the norm.
+Every sharded parameter has ``partition_dim``; gathering all TP ranks' tensors and keeping every r-th
+chunk rebuilds the full weight (``megapost.parallel.gather``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .mappings import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
+    share_replicated_slice,
 )
 
 INPUT_MAPPINGS = {
@@ -40,15 +47,20 @@ def tp_rank_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
-def shard(full: torch.Tensor, dim: int, group: Any) -> nn.Parameter:
-    """This rank's contiguous shard of ``full`` along ``dim`` as a new, tagged parameter."""
+def shard(full: torch.Tensor, dim: int, group: Any, replicas: int = 1) -> nn.Parameter:
+    """This rank's contiguous shard of ``full`` along ``dim`` as a new, tagged parameter: one of
+    size / ``replicas`` equal slices, slice rank // ``replicas``."""
     rank, size = tp_rank_size(group)
-    if full.shape[dim] % size:
-        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over {size} TP ranks")
-    param = nn.Parameter(full.detach().chunk(size, dim=dim)[rank].clone(), requires_grad=full.requires_grad)
-    param.tensor_model_parallel = True
+    if size % replicas or full.shape[dim] % (size // replicas):
+        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over {size} TP ranks "
+                         f"with {replicas} replicas per slice")
+    part = full.detach().chunk(size // replicas, dim=dim)[rank // replicas].clone()
+    param = nn.Parameter(part, requires_grad=full.requires_grad)
+    param.tensor_model_parallel = rank % replicas == 0
     param.partition_dim = dim
     param.partition_stride = 1
+    if replicas > 1:
+        param.partition_replicas = replicas
     return param
 
 
@@ -69,24 +81,34 @@ class ColumnParallelLinear(nn.Module):
     ``input_mapping``: "copy" (input replicated over TP), "gather_seq" (input sequence-sharded), or
     None when the caller already applied one mapping shared by several layers. ``gather_output``
     all-gathers the output shards; otherwise the output stays sharded on the last dimension.
+    ``replicas`` > 1: A is cut into tp / replicas row blocks, each held by ``replicas`` consecutive
+    ranks whose weight gradients are summed (``share_replicated_slice``); no output gather then.
     """
 
     def __init__(self, full: nn.Linear, group: Any, input_mapping: str | None = "copy",
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, replicas: int = 1) -> None:
         super().__init__()
+        if replicas > 1 and gather_output:
+            raise ValueError("a replicated ColumnParallelLinear cannot gather its output")
         self.group = group
         self.in_features, self.out_features = full.in_features, full.out_features
         self.map_input = INPUT_MAPPINGS[input_mapping]
         self.gather_output = gather_output
-        self.weight = shard(full.weight, 0, group)
-        self.bias = shard(full.bias, 0, group) if full.bias is not None else None
+        self.replicas = replicas
+        self.weight = shard(full.weight, 0, group, replicas)
+        self.bias = shard(full.bias, 0, group, replicas) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self.map_input(x, self.group), self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if self.replicas > 1:
+            weight = share_replicated_slice(weight, self.group, self.replicas)
+            bias = None if bias is None else share_replicated_slice(bias, self.group, self.replicas)
+        y = F.linear(self.map_input(x, self.group), weight, bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]})"
+        shared = f", shared by {self.replicas} ranks" if self.replicas > 1 else ""
+        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}{shared})"
 
 
 class RowParallelLinear(nn.Module):

@@ -26,6 +26,10 @@ def layout_errors(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: bool, s
         errors.append(f"world size {world_size} is not divisible by {TP_FLAG} {tp} x {PP_FLAG} {pp}")
     if cfg.num_attention_heads % tp:
         errors.append(f"--num-attention-heads {cfg.num_attention_heads} is not divisible by {TP_FLAG} {tp}")
+    groups = cfg.kv_groups
+    if groups % tp and tp % groups:
+        errors.append(f"--num-query-groups {groups} and {TP_FLAG} {tp}: one must divide the other (K/V heads "
+                      "are split over TP ranks, or replicated when fewer)")
     if cfg.ffn_hidden_size % tp:
         errors.append(f"--ffn-hidden-size {cfg.ffn_hidden_size} is not divisible by {TP_FLAG} {tp}")
     if cfg.vocab_size % tp:

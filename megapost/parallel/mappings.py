@@ -10,6 +10,7 @@ Each mapping is an ``autograd.Function`` whose backward is the adjoint of its fo
     scatter_to_sequence_region         split seq dim              all-gather seq dim
     gather_from_sequence_region        all-gather seq dim         reduce-scatter seq dim
     reduce_scatter_to_sequence_region  reduce-scatter seq dim     all-gather seq dim
+    share_replicated_slice             identity                   sum over the ranks sharing the slice
 
 Activations are [batch, seq, hidden], so the sequence dimension is 1 (Megatron's is 0). On a group of
 one rank, or with no group, every mapping is the identity and issues no collective.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import collectives as C
 
@@ -120,3 +122,31 @@ def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum row-parallel partial outputs [b, s, h] and keep this rank's sequence shard."""
     return _apply(_ReduceScatterToSeq, x, group)
+
+
+class _ShareReplicatedSlice(torch.autograd.Function):
+    """A weight slice held by ``replicas`` consecutive TP ranks (rank r holds slice r // replicas):
+    forward is the identity, backward sums the gradient over the ranks holding the same slice. The
+    gradient goes into slot r // replicas of a zero buffer with one slot per slice and that buffer is
+    all-reduced over TP: exact (the other slots add zeros) and needs no sub-groups."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: Any, replicas: int) -> torch.Tensor:
+        ctx.group, ctx.replicas = group, replicas
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        slot = dist.get_rank(group=ctx.group) // ctx.replicas
+        slots = torch.zeros((C.group_size(ctx.group) // ctx.replicas, *grad.shape), dtype=grad.dtype,
+                            device=grad.device)
+        slots[slot] = grad
+        return C.all_reduce(slots, ctx.group)[slot], None, None
+
+
+def share_replicated_slice(w: torch.Tensor, group: Any, replicas: int) -> torch.Tensor:
+    """``w`` (this rank's copy of a slice replicated on ``replicas`` TP ranks), whose gradient is summed
+    over those ranks; the identity when nothing is replicated."""
+    if replicas == 1 or group is None or C.group_size(group) == 1:
+        return w
+    return _ShareReplicatedSlice.apply(w, group, replicas)

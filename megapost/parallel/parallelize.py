@@ -1,11 +1,14 @@
 """Turn the plain model's modules into tensor-(and sequence-)parallel ones, in place.
 
-Attention: W_Q, W_K, W_V column-parallel (heads split over TP), W_O row-parallel. SwiGLU: W_1, W_3
-column-parallel, W_2 row-parallel. The input of each sublayer is mapped once, by a forward pre-hook on
-the attention/MLP module, and shared by its column-parallel projections: ``copy_to_tp_region``, or
-under sequence parallelism ``gather_from_sequence_region``, so attention sees the full sequence (RoPE
-and the prefix-averaging intervention need no change). Row-parallel outputs are all-reduced, or
-reduce-scattered back into sequence shards.
+Attention: W_Q, W_K, W_V column-parallel (heads split over TP), W_O row-parallel. With grouped-query
+attention the K/V heads are split like the query heads when the groups divide over TP; with fewer
+groups than TP ranks each rank keeps the one K/V head its query heads read (query heads are split
+in order, so the tp / groups ranks of a group are consecutive) and those ranks sum its gradient.
+SwiGLU: W_1, W_3 column-parallel, W_2 row-parallel. The input of each sublayer is mapped once, by a
+forward pre-hook on the attention/MLP module, and shared by its column-parallel projections:
+``copy_to_tp_region``, or under sequence parallelism ``gather_from_sequence_region``, so attention
+sees the full sequence (RoPE and the prefix-averaging intervention need no change). Row-parallel
+outputs are all-reduced, or reduce-scattered back into sequence shards.
 
 Under sequence parallelism the residual stream, the RMSNorms and the probes between sublayers work on
 [b, s/tp, h]; the embedding output is reduce-scattered into those shards and the head all-gathers its
@@ -22,6 +25,7 @@ from torch import nn
 from megapost.model import Embedding, Head, TransformerBlock
 
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+from .layout import TP_FLAG
 from .mappings import copy_to_tp_region, gather_from_sequence_region
 from .state import ParallelState
 
@@ -37,8 +41,8 @@ def _map_input_once(module: nn.Module, pstate: ParallelState) -> None:
     module.register_forward_pre_hook(hook)
 
 
-def _column(linear: nn.Module, pstate: ParallelState) -> ColumnParallelLinear:
-    return ColumnParallelLinear(linear, pstate.tp_group, input_mapping=None)
+def _column(linear: nn.Module, pstate: ParallelState, replicas: int = 1) -> ColumnParallelLinear:
+    return ColumnParallelLinear(linear, pstate.tp_group, input_mapping=None, replicas=replicas)
 
 
 def _row(linear: nn.Module, pstate: ParallelState) -> RowParallelLinear:
@@ -50,11 +54,15 @@ def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> Transfo
     attn, mlp = block.attention, block.mlp
     if pstate.tp_size == 1 or isinstance(attn.wo, RowParallelLinear):  # nothing to do, or done already
         return block
-    heads = attn.wq.out_features // attn.head_dim
-    if heads % pstate.tp_size:
-        raise ValueError(f"--num-attention-heads {heads} is not divisible by "
-                         f"--tensor-model-parallel-size {pstate.tp_size}")
-    attn.wq, attn.wk, attn.wv = (_column(lin, pstate) for lin in (attn.wq, attn.wk, attn.wv))
+    tp = pstate.tp_size
+    heads, groups = attn.wq.out_features // attn.head_dim, attn.wk.out_features // attn.head_dim
+    if heads % tp:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by {TP_FLAG} {tp}")
+    if groups % tp and tp % groups:
+        raise ValueError(f"--num-query-groups {groups} and {TP_FLAG} {tp}: one must divide the other")
+    kv_replicas = max(tp // groups, 1)
+    attn.wq = _column(attn.wq, pstate)
+    attn.wk, attn.wv = _column(attn.wk, pstate, kv_replicas), _column(attn.wv, pstate, kv_replicas)
     attn.wo = _row(attn.wo, pstate)
     mlp.w1, mlp.w3 = _column(mlp.w1, pstate), _column(mlp.w3, pstate)
     mlp.w2 = _row(mlp.w2, pstate)
