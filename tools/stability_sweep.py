@@ -212,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if done.is_file():
                 jsonl = done.parent / "tensorboard" / "collapse_metrics.jsonl"
                 prev = json.loads(done.read_text(encoding="utf-8"))
-                finish(c, {**asdict(c), **asdict(summarize(read_run(jsonl), freq)), "seconds": prev["seconds"]})
+                redo = asdict(summarize(read_run(jsonl), freq))
+                finish(c, {**asdict(c), **redo, "seconds": prev["seconds"]})
     else:
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             futures = {pool.submit(run_cell, args, c, freq): c for c in cells}

@@ -39,7 +39,8 @@ def _chunks(tokens: np.ndarray) -> Iterator[np.ndarray]:
 
 def cache_path(prefix: str, split: str, seq_length: int, cache_dir: str | os.PathLike[str]) -> Path:
     stats = [os.stat(p) for p in (f"{prefix}.bin", f"{prefix}.idx")]
-    key = json.dumps([os.path.abspath(prefix), split, seq_length, [(s.st_size, s.st_mtime_ns) for s in stats]])
+    files = [(s.st_size, s.st_mtime_ns) for s in stats]
+    key = json.dumps([os.path.abspath(prefix), split, seq_length, files])
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{Path(prefix).name}-freq-{digest}.json"
 

@@ -61,15 +61,17 @@ class CollapseState:
     collapsed: bool = False
     since: int | None = None  # first step of the current collapsed stretch
 
-    def update(self, step: int, tsim_head: float | None, ratio: float | None) -> tuple[bool | None, str | None]:
+    def update(self, step: int, tsim_head: float | None,
+               ratio: float | None) -> tuple[bool | None, str | None]:
         state = is_collapsed(tsim_head, ratio, self.config)
         if state is None or state == self.collapsed:
             return state, None
         self.collapsed = state
         if state:
             self.since = step
-            return state, (f"[collapse] COLLAPSED at step {step}: t_sim(X^H) {tsim_head:.3f}, layer-1/layer-L "
-                           f"gradient ratio {ratio:.1e} (gradients vanished upstream; near-stationary)")
+            return state, (f"[collapse] COLLAPSED at step {step}: t_sim(X^H) {tsim_head:.3f}, "
+                           f"first/last-layer gradient ratio {ratio:.1e} "
+                           "(gradients vanished upstream: near-stationary)")
         since, self.since = self.since, None
         return state, (f"[collapse] recovered at step {step} (collapsed since step {since}): t_sim(X^H) "
                        f"{tsim_head:.3f}, gradient ratio {ratio:.1e}")
