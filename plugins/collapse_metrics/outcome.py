@@ -12,12 +12,11 @@ Delayed: collapsed, and the trailing-mean loss before the transition fell >= 0.5
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from .figures import load_collapse_jsonl
 from .state import CollapseState, StateConfig, grad_ratio
 
 COLLAPSED_TSIM, COLLAPSED_LOSS_GAP, TRAINED_GAP, DELAYED_GAP = 0.9, -0.15, -0.3, -0.5
@@ -33,18 +32,26 @@ class StepRow:
 
 
 def read_run(path: str | Path) -> list[StepRow]:
-    """One row per measured step (later records of a step supersede earlier ones)."""
-    layers: dict[int, dict[tuple[int, str], dict[str, Any]]] = {}
-    steps: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if "layer" in rec:
-                layers.setdefault(rec["step"], {})[(rec["layer"], rec["sublayer"])] = rec
-            else:
-                steps[rec["step"]] = rec
-    return [StepRow(s, rec["loss"], rec["t_sim_head"], grad_ratio(list(layers.get(s, {}).values())),
-                    rec.get("collapsed")) for s, rec in sorted(steps.items())]
+    """One row per measured step (parsed by ``figures.load_collapse_jsonl``: later records of a step
+    supersede earlier ones)."""
+    run = load_collapse_jsonl(path)
+    grads = run.layer_grad()
+    at = {int(s): i for i, s in enumerate(run.layer_steps)}
+
+    def value(x: float) -> float | None:
+        return None if math.isnan(x) else float(x)
+
+    def ratio(step: int) -> float | None:
+        if step not in at:
+            return None
+        row = grads[at[step]]
+        return grad_ratio([{"layer": int(n), "grad_norm_layer": value(g)} for n, g in zip(run.layers, row,
+                                                                                            strict=True)])
+
+    collapsed = run.step["collapsed"]
+    return [StepRow(int(s), value(run.step["loss"][i]), value(run.step["t_sim_head"][i]), ratio(int(s)),
+                    None if math.isnan(collapsed[i]) else bool(collapsed[i]))
+            for i, s in enumerate(run.steps)]
 
 
 def _mean(values: list[float | None]) -> float:
