@@ -6,7 +6,8 @@ loss and t_sim(X^H) averaged over the last ``window`` measured steps,
   * collapsed: final t_sim(X^H) >= 0.9 and final loss >= L - 0.15 (pinned at the frequency loss);
   * trained:   final loss <= L - 0.3;
   * plateau:   neither (still on the unigram plateau, or undecided).
-Transition step of a collapsed run: the first measured step of the final stretch with t_sim(X^H) >= 0.9.
+Transition step of a collapsed run: the first measured step with t_sim(X^H) >= 0.9 from which on at
+least 90% of the measured steps keep t_sim(X^H) >= 0.9 (brief wobbles neither start nor end it).
 Delayed: collapsed, and the trailing-mean loss before the transition fell >= 0.5 nats below L.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from .figures import load_collapse_jsonl
 from .state import CollapseState, StateConfig, grad_ratio
 
-COLLAPSED_TSIM, COLLAPSED_LOSS_GAP, TRAINED_GAP, DELAYED_GAP = 0.9, -0.15, -0.3, -0.5
+COLLAPSED_TSIM, COLLAPSED_LOSS_GAP, TRAINED_GAP, DELAYED_GAP, SUSTAINED = 0.9, -0.15, -0.3, -0.5, 0.9
 
 
 @dataclass
@@ -88,10 +89,9 @@ def summarize(rows: list[StepRow], freq_loss: float, window: int = 5,
         outcome = "plateau"
     transition = None
     if outcome == "collapsed":
-        i = len(rows)
-        while i > 0 and rows[i - 1].tsim_head is not None and rows[i - 1].tsim_head >= COLLAPSED_TSIM:
-            i -= 1
-        transition = rows[min(i, len(rows) - 1)].step
+        high = [r.tsim_head is not None and r.tsim_head >= COLLAPSED_TSIM for r in rows]
+        transition = next(r.step for i, r in enumerate(rows)
+                          if high[i] and sum(high[i:]) >= SUSTAINED * (len(rows) - i))
     before = [t for t, r in zip(trailing, rows, strict=True) if transition is None or r.step < transition]
     delayed = outcome == "collapsed" and bool(before) and min(before) - freq_loss <= DELAYED_GAP
     state, alarm_step, alarm_final = CollapseState(config), None, False
