@@ -155,10 +155,11 @@ def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    norms = sorted({str(r["norm"]) for r in results}, reverse=True)
+    norms = [n for n in ("post", "pre") if any(r["norm"] == n for r in results)]
     fig, axes = plt.subplots(1, len(norms), figsize=(4.2 * len(norms), 3.4), dpi=90, squeeze=False,
                              sharey=True)
     warmups = sorted({int(r["warmup"]) for r in results})
+    lrs = sorted({float(r["lr"]) for r in results})
     for ax, norm in zip(axes[0], norms, strict=True):
         for r in (r for r in results if r["norm"] == norm):
             y = warmups.index(int(r["warmup"]))
@@ -170,6 +171,9 @@ def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq
             ax.annotate(label, (float(r["lr"]), y), textcoords="offset points", xytext=(0, 14), ha="center",
                         fontsize=8)
         ax.set_xscale("log")
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
+        ax.minorticks_off()
+        ax.set_xlim(lrs[0] / 1.6, lrs[-1] * 1.6)
         ax.set_yticks(range(len(warmups)), [str(w) for w in warmups])
         ax.set_ylim(-0.6, len(warmups) - 0.3)
         ax.set_xlabel("peak lr")
