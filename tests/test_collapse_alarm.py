@@ -77,6 +77,7 @@ def test_state_rule_and_lines():
     flagged, line = state.update(2, 0.999, 1e-9)
     assert flagged and line.startswith("[collapse] COLLAPSED at step 2")
     assert state.update(3, 0.999, 1e-10) == (True, None)  # one line per change
+    assert state.update(3, 0.999, 2e-2) == (True, None)  # stays while the head input is rank-collapsed
     restored = CollapseState(cfg)
     restored.load_state_dict(state.state_dict())
     flagged, line = restored.update(4, 0.4, 1.0)

@@ -19,7 +19,9 @@ collapse reaches only the last layer, to 2e-4..3e-2; healthy runs on the unigram
 1e-2 (the 4-layer tiny-cpu example touched 1.01e-2 at step 50 before it recovered) and Pre-Norm above
 0.4. The default 1e-3 keeps a factor 10 below every healthy value; the price is a lag after the
 transition while the ratio decays. Steps without gradients (the forward-only step 0) are undecided.
-The alarm line is printed on entering the state and, once, on leaving it.
+Once in the state, a step stays collapsed while t_sim(X^H) >= tsim_min (the gradient ratio of a
+shallow collapsed net fluctuates by a decade from step to step; the state ends when the rank collapse
+of the head input does). The alarm line is printed on entering the state and, once, on leaving it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class CollapseState:
     def update(self, step: int, tsim_head: float | None,
                ratio: float | None) -> tuple[bool | None, str | None]:
         state = is_collapsed(tsim_head, ratio, self.config)
+        if self.collapsed and state is False and tsim_head >= self.config.tsim_min:
+            state = True  # hysteresis: the state ends when the head input's rank collapse does
         if state is None or state == self.collapsed:
             return state, None
         self.collapsed = state
