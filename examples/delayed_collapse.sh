@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # A Post-Norm run that first learns and then collapses, beside its Pre-Norm twin (identical settings).
 # Found by tools/stability_sweep.py (docs/readme/collapse.md): 4 layers, d=64, seq 64, batch 8, paper
-# init, lr 3e-2 after a 100-step linear warmup (cosine to 3e-3), 400 steps, on the embedded news corpus
-# tokenized with a 2,048-token BPE trained on it (frequency loss of the train split: 6.50 nats).
-# Measured (seed 1, metrics every 4 steps): Post-Norm falls to 6.06 (0.44 nats below the frequency
-# loss) by step ~80, then, as the lr reaches its peak, t_sim(X^H) rises 0.3 -> 1.0 (steps 100-136) and
-# the loss climbs back to the frequency loss (6.4-6.6) and stays there; the first/last-layer gradient
-# ratio decays from ~1 to 1e-2..7e-4. Pre-Norm keeps training (5.6-6.0, t_sim 0.25).
-# ~10 min per run on 2 idle CPU cores.
+# init, lr 3e-2 after a 200-step linear warmup (cosine to 3e-3), 400 steps, on the embedded news corpus
+# tokenized with a 2,048-token BPE trained on it (frequency loss of the train split L = 6.50 nats).
+# Measured (seed 1, metrics every 4 steps): Post-Norm learns to 5.65 (0.85 nats below L, t_sim(X^H)
+# 0.23) by step ~100; as the lr nears its peak the loss climbs back (6.2 at step 180, 6.5 at 244) while
+# t_sim(X^H) rises 0.3 -> 0.75, then jumps to 1.000 at step 320-324 and stays, the loss pinned at L and
+# the first/last-layer gradient ratio down from ~3 to 1e-4..5e-3; the alarm prints
+# "[collapse] COLLAPSED at step 336" (default threshold). Pre-Norm keeps training (final 5.46, t_sim
+# 0.18). With WARMUP=100 the dip is 0.41 nats and the collapse comes at step ~128.
+# ~5 min per run on 2 idle CPU cores.
 #
 #   bash examples/delayed_collapse.sh                 # both runs, then figures
-#   WARMUP=200 LR=3e-2 bash examples/delayed_collapse.sh
+#   WARMUP=100 LR=3e-2 bash examples/delayed_collapse.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +20,7 @@ RUN_ROOT=${RUN_ROOT:-runs/delayed_collapse}
 FIG_ROOT=${FIG_ROOT:-docs/figures/delayed_collapse}
 LAYERS=${LAYERS:-4}
 LR=${LR:-3e-2}
-WARMUP=${WARMUP:-100}
+WARMUP=${WARMUP:-200}
 ITERS=${ITERS:-400}
 SEED=${SEED:-1}
 DATA_DIR=${DATA_DIR:-data/bpe2k}
