@@ -133,8 +133,9 @@ def write_csv(path: Path, results: list[dict[str, object]]) -> None:
 
 
 def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
-    """Recall over Post-Norm runs ending collapsed; false alarms over runs ending trained."""
-    collapsed = [r for r in results if r["outcome"] == "collapsed"]
+    """Recall over Post-Norm runs ending collapsed (a Pre-Norm run ending on the plateau with live
+    gradients is not the collapsed state); false alarms over runs ending trained."""
+    collapsed = [r for r in results if r["outcome"] == "collapsed" and r["norm"] == "post"]
     trained = [r for r in results if r["outcome"] == "trained"]
     flagged = [r for r in results if r["alarm_step"] is not None]
     hits = [r for r in collapsed if r["alarm_step"] is not None]
