@@ -22,8 +22,8 @@ from megapost.model import LlamaModel
 LAYER_KEYS = {"step", "layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm",
               "rms_factor_mean", "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm",
               "grad_norm_layer", "grad_norm_norms"}
-STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed",
-             "t_sim_head", "transition"}
+STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
+             "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed"}
 
 
 def train(tmp_path, steps, *argv, writer=None):
@@ -57,25 +57,39 @@ def test_jsonl_and_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    for tag in ("collapse/t_sim/L01/attn/x", "collapse/t_sim/L03/ffn/y", "collapse/rms_factor/L02/ffn/min",
-                "collapse/resid_norm/L01/ffn", "collapse/alpha/L02/attn", "collapse/c/L03/ffn",
-                "collapse/grad_norm/L01", "collapse/grad_norm/L01/attn", "collapse/grad_norm/L01/ffn",
-                "collapse/grad_norm/L01/norms", "collapse/freq_loss/agg", "collapse/freq_loss/seq",
-                "collapse/freq_loss/running", "collapse/t_sim/embed", "collapse/t_sim/head", "collapse/loss"):
+    p = "collapse_layers"  # per-layer detail, behind the few summary cards of "collapse/"
+    for tag in (f"{p}/t_sim/L01/attn/x", f"{p}/t_sim/L03/ffn/y", f"{p}/rms_factor/L02/ffn/min",
+                f"{p}/resid_norm/L01/ffn", f"{p}/alpha/L02/attn", f"{p}/c/L03/ffn",
+                f"{p}/grad_norm/L01", f"{p}/grad_norm/L01/attn", f"{p}/grad_norm/L01/ffn",
+                f"{p}/grad_norm/L01/norms", "collapse/freq_loss/agg", "collapse/freq_loss/seq",
+                "collapse/freq_loss/running", "collapse/t_sim/embed", "collapse/t_sim/head", "collapse/loss",
+                "collapse/grad_ratio", "collapse/collapsed", "collapse/summary/alpha/median",
+                "collapse/summary/t_sim_out/deepest", "collapse/summary/grad_norm_layer/min"):
         assert tag in scalars, tag
-    assert "collapse/t_sim/L01/attn/out" not in scalars  # null under Pre-Norm: not written
-    assert [e.step for e in events.Scalars("collapse/t_sim/L02/attn/y")] == [0, 2, 4]
-    assert [e.step for e in events.Scalars("collapse/alpha/L02/attn")] == [2, 4]
+    assert not [t for t in scalars if t.startswith("collapse/") and re.search(r"/L\d\d", t)]
+    assert len([t for t in scalars if t.startswith("collapse/")]) <= 40
+    assert f"{p}/t_sim/L01/attn/out" not in scalars  # null under Pre-Norm: not written
+    assert [e.step for e in events.Scalars(f"{p}/t_sim/L02/attn/y")] == [0, 2, 4]
+    assert [e.step for e in events.Scalars(f"{p}/alpha/L02/attn")] == [2, 4]
+    # summaries: min/median/max over layers and the deepest layer, of the same numbers as the detail
+    alphas = [events.Scalars(f"{p}/alpha/L0{n}/{k}")[-1].value for n in (1, 2, 3) for k in ("attn", "ffn")]
+    assert events.Scalars("collapse/summary/alpha/max")[-1].value == pytest.approx(max(alphas))
+    median = events.Scalars("collapse/summary/alpha/median")[-1].value
+    assert median == pytest.approx(float(np.median(alphas)))
+    assert events.Scalars("collapse/summary/t_sim_out/deepest")[-1].value == pytest.approx(
+        events.Scalars(f"{p}/t_sim/L03/ffn/y")[-1].value)
     assert [e.step for e in events.Images("collapse/t_sim_heatmap")] == [2]  # every 2nd measured step
 
     layout = layout_pb2.Layout()
     layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    regex = charts["t_sim attn y"][0]
-    assert {t for t in scalars if re.search(regex, t)} == {f"collapse/t_sim/L0{n}/attn/y" for n in (1, 2, 3)}
-    layer_regex = charts["grad_norm layer"][0]
-    layer_tags = {f"collapse/grad_norm/L0{n}" for n in (1, 2, 3)}
-    assert {t for t in scalars if re.search(layer_regex, t)} == layer_tags
+    charts = {(cat.title, c.title): list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    regex = charts[("layers 1-3", "t_sim attn y")][0]
+    assert {t for t in scalars if re.search(regex, t)} == {f"{p}/t_sim/L0{n}/attn/y" for n in (1, 2, 3)}
+    layer_regex = charts[("layers 1-3", "grad_norm layer")][0]
+    assert {t for t in scalars if re.search(layer_regex, t)} == {f"{p}/grad_norm/L0{n}" for n in (1, 2, 3)}
+    summary = charts[("collapse", "alpha over layers")][0]
+    assert {t for t in scalars if re.search(summary, t)} == {f"collapse/summary/alpha/{s}"
+                                                             for s in ("min", "median", "max", "deepest")}
 
 
 def test_jsonl_appends_on_resume(tmp_path):

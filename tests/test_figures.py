@@ -90,3 +90,25 @@ def test_summary_of_a_collapsed_run(tmp_path: Path) -> None:
     assert res["freq_loss_agg"] == pytest.approx(7.3) and res["freq_loss_seq"] is None
     assert res["t_sim_last_layer"] == pytest.approx(0.9, abs=1e-3)
     assert res["grad_ratio_first_last"] < 1e-2 and res["last_step"] == 100
+
+
+def test_figure_readability(tmp_path: Path) -> None:
+    """Norm placement in every title, Fig 3 on a log scale, the c = 1 line in Fig 4's legend, Fig 2's
+    legend says "adds" for a negative removed share."""
+    from collapse_metrics.figures import _titled, alpha_label, fig_alpha, fig_contraction
+
+    post = load_collapse_jsonl(synthetic_run(tmp_path / "post.jsonl"))
+    assert post.norm_label == "Post-Norm"
+    pre_path = tmp_path / "pre.jsonl"
+    recs = [json.loads(line) for line in (tmp_path / "post.jsonl").read_text().splitlines() if line]
+    pre_path.write_text("".join(json.dumps({**r, "t_sim_out": None} if "layer" in r else r) + "\n"
+                                for r in recs))
+    assert load_collapse_jsonl(pre_path).norm_label == "Pre-Norm"
+    fig = _titled(fig_contraction(post, post.window(10)), post.norm_label)
+    assert fig.get_suptitle().startswith("Post-Norm: steps")
+    c_panel = fig.axes[1]
+    assert "c = 1" in " ".join(t.get_text() for t in c_panel.get_legend().get_texts())
+    assert all(ax.get_yscale() == "log" for ax in fig_alpha(post).axes[:2])
+    assert alpha_label(0.5, -0.076) == "α=0.5 (adds 7.6%)"
+    assert alpha_label(0.5, 0.2) == "α=0.5 (removes 20.0%)"
+    assert alpha_label(1, None) == "α=1"

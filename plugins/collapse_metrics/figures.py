@@ -91,6 +91,14 @@ def plot_init_similarity(result: dict[str, Any], path: str | os.PathLike[str]) -
     return save(fig, path)
 
 
+def alpha_label(alpha: float, share: float | None) -> str:
+    """Legend entry of one alpha: the share of the attention increment it removes (or adds)."""
+    if share is None:
+        return f"α={alpha:g}"
+    what = f"removes {100 * share:.1f}%" if share >= 0 else f"adds {-100 * share:.1f}%"
+    return f"α={alpha:g} ({what})"
+
+
 def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLike[str]) -> Path:
     """Fig 2: measured attention increments per layer for each alpha (one column per placement); the
     bottom row shows t_sim(X_1^l) for the same runs."""
@@ -105,8 +113,7 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
             inc = run["measured"]["mean"]["attn_resid"]
             layers = np.arange(1, len(inc) + 1)
             share = removed.get(f"{run['prefix_alpha']:g}")
-            label = f"α={run['prefix_alpha']:g}"
-            label += f" (removes {100 * share:.1f}%)" if share is not None else ""
+            label = alpha_label(run["prefix_alpha"], share)
             axes[0, j].plot(layers, inc, color=col, lw=1.5, label=label)
             axes[0, j].plot(layers, run["predicted"]["mean"]["attn"], color=col, ls="--", lw=1.0)
             t = np.nanmean(np.asarray(run["measured"]["attn"]["t_x"], dtype=float), axis=0)
@@ -128,8 +135,8 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
 # ------------------------------------------------------------------------------------------- training runs
 LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
                 "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer")
-STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
-               "transition")
+STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
+               "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed")
 
 
 def _num(v: Any) -> float:
@@ -150,6 +157,12 @@ class CollapseRun:
     layer: dict[str, dict[str, np.ndarray]]
     steps: np.ndarray
     step: dict[str, np.ndarray]
+
+    @property
+    def norm_label(self) -> str:
+        """"Post-Norm" when a normalised sublayer output was recorded (Pre-Norm has none), else "Pre-Norm"."""
+        post = any(np.isfinite(t["t_sim_out"]).any() for t in self.layer.values())
+        return "Post-Norm" if post else "Pre-Norm"
 
     def window(self, margin: int) -> tuple[float, float]:
         """[first - margin, last + margin] around the steps flagged ``transition``; whole run if none."""
@@ -260,9 +273,10 @@ def fig_alpha(run: CollapseRun) -> Figure:
     fig = Figure(layout="constrained", figsize=(13, 4.2))
     axes = fig.subplots(1, 2)
     for ax, sub in zip(axes, SUBLAYER_TITLES, strict=True):
-        _per_layer_lines(ax, run.layer_steps, _sub(run, sub, "alpha"), run.layers)
+        # log scale: one layer's alpha may dwarf the rest by decades (the collapsed toy)
+        _per_layer_lines(ax, run.layer_steps, _sub(run, sub, "alpha"), run.layers, log=True)
         ax.set(title=f"α (gradient contribution), {SUBLAYER_TITLES[sub]}", xlabel="step", ylabel="α_k^l")
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     _layer_colorbar(fig, run, axes)
     return fig
 
@@ -277,7 +291,8 @@ def fig_contraction(run: CollapseRun, window: tuple[float, float]) -> Figure:
     for ax, (sub, field, ylabel), letter in zip(axes.flat, panels, "abcd", strict=True):
         _per_layer_lines(ax, run.layer_steps, _sub(run, sub, field), run.layers, log=True, mask=mask)
         if field == "c":
-            ax.axhline(1.0, color="red", lw=0.8, ls="--")
+            ax.axhline(1.0, color="red", lw=0.8, ls="--", label="c = 1 (below: the gradient shrinks)")
+            ax.legend(fontsize=7, loc="best")
         ax.set(title=f"({letter}) {ylabel}, {SUBLAYER_TITLES[sub]}", xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3, which="both")
     _layer_colorbar(fig, run, axes)
@@ -325,7 +340,8 @@ def fig_loss(run: CollapseRun, window: tuple[float, float],
     lines = [("loss", "training loss", "k", "-"),
              ("freq_loss_agg", "frequency loss: step's batch, aggregated", "C3", "--"),
              ("freq_loss_seq", "frequency loss: step's batch, per sequence", "C1", ":"),
-             ("freq_loss_running", "frequency loss: labels seen so far", "C2", "-.")]
+             ("freq_loss_running", "frequency loss: labels seen so far", "C2", "-."),
+             ("freq_loss_corpus", "frequency loss: the train split", "C5", "--")]
     drawn = False
     for field, label, col, ls in lines:
         y = run.step[field]
@@ -387,4 +403,12 @@ def plot_collapse_run(jsonl: str | os.PathLike[str], out_dir: str | os.PathLike[
         "fig6_loss_vs_frequency": lambda: fig_loss(run, window, references),
         "tsim_heatmap": lambda: fig_tsim_heatmap(run),
     }
-    return {name: save(make(), Path(out_dir) / f"{name}.png") for name, make in makers.items()}
+    return {name: save(_titled(make(), run.norm_label), Path(out_dir) / f"{name}.png")
+            for name, make in makers.items()}
+
+
+def _titled(fig: Figure, norm_label: str) -> Figure:
+    """Put the norm placement in front of the figure's super-title."""
+    old = fig.get_suptitle()
+    fig.suptitle(f"{norm_label}: {old}" if old else norm_label)
+    return fig

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 import torch
@@ -26,13 +27,40 @@ from torch import nn
 from megapost.model import set_listener
 from megapost.plugins import Plugin, PluginContext
 
+from .corpus import train_split_frequency_loss
 from .frequency import RunningFrequencyLoss
 from .grads import LayerParameters, loss_scale
 from .recorder import Recorder
 from .reduce import reduce_buffer, sum_over_group
+from .state import CollapseState, StateConfig, grad_ratio
 from .table import StatsBuffer, layer_records, parse_layers, site_tsim
 from .transition import TransitionConfig, TransitionDetector
 from .writers import Writers
+
+HEATMAP_IMAGES = 5
+
+
+def image_interval(args: argparse.Namespace) -> int:
+    """``--collapse-image-interval``, or by default about HEATMAP_IMAGES images over the run."""
+    if args.collapse_image_interval is not None:
+        return args.collapse_image_interval
+    measured = max(1, getattr(args, "train_iters", 0) or 0) // args.collapse_interval
+    return max(1, round(measured / HEATMAP_IMAGES))
+
+
+def corpus_frequency_loss(args: argparse.Namespace, vocab_size: int) -> float | None:
+    """The train split's frequency loss (``corpus.py``, cached beside the index cache), printed once;
+    None without a --data-path dataset."""
+    prefix = getattr(args, "data_path", None)
+    if not prefix or not os.path.isfile(f"{prefix}.idx"):
+        return None
+    cache = getattr(args, "data_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(prefix)),
+                                                                  "index-cache")
+    result = train_split_frequency_loss(prefix, getattr(args, "split", "969,30,1"), args.seq_length,
+                                        vocab_size, cache)
+    print(f"[collapse] frequency loss of the train split: {result.aggregated:.4f} nats "
+          f"({result.num_tokens:,} labels; per sequence {result.per_sequence:.4f})", flush=True)
+    return result.aggregated
 
 
 class CollapseMetricsPlugin(Plugin):
@@ -47,8 +75,9 @@ class CollapseMetricsPlugin(Plugin):
                        help="layers to measure, 1-based, e.g. '1,2,47-48' (default: all)")
         g.add_argument("--collapse-at-init", action="store_true",
                        help="also measure a forward-only pass at step 0 (alpha and grad norms null)")
-        g.add_argument("--collapse-image-interval", type=int, default=100, metavar="N",
-                       help="t_sim heatmap image every N measured steps (0: never)")
+        g.add_argument("--collapse-image-interval", type=int, default=None, metavar="N",
+                       help="t_sim heatmap image every N measured steps (0: never; default: about "
+                       f"{HEATMAP_IMAGES} images per run)")
         defaults = TransitionConfig()
         g.add_argument("--collapse-transition-beta", type=float, default=defaults.beta,
                        help="EMA decay of the detector's mean/variance per measured step")
@@ -60,6 +89,11 @@ class CollapseMetricsPlugin(Plugin):
                        help="minimum rise of the loss over its EMA, relative to the EMA")
         g.add_argument("--collapse-transition-warmup", type=int, default=defaults.warmup,
                        help="measured steps before the detector may fire")
+        state = StateConfig()
+        g.add_argument("--collapse-state-tsim", type=float, default=state.tsim_min,
+                       help="collapsed-state alarm: t_sim(X^H) at least this ...")
+        g.add_argument("--collapse-state-grad-ratio", type=float, default=state.grad_ratio_max,
+                       help="... and first/last-layer parameter-gradient ratio at most this (state.py)")
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
@@ -75,10 +109,13 @@ class CollapseMetricsPlugin(Plugin):
             beta=args.collapse_transition_beta, z_min=args.collapse_transition_z,
             min_tsim_rise=args.collapse_transition_min_tsim_rise,
             min_loss_rise=args.collapse_transition_min_loss_rise, warmup=args.collapse_transition_warmup))
+        self.state = CollapseState(StateConfig(args.collapse_state_tsim, args.collapse_state_grad_ratio))
         self.running = RunningFrequencyLoss(cfg.vocab_size)
+        self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
         self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
-        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, args.collapse_image_interval)
+        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, image_interval(args))
                         if ps.is_logging_rank else None)
+        self.freq_corpus = corpus_frequency_loss(args, cfg.vocab_size) if ps.is_logging_rank else None
         self.model: nn.Module | None = None
         self.buf: StatsBuffer | None = None
         self.recorder: Recorder | None = None
@@ -139,35 +176,45 @@ class CollapseMetricsPlugin(Plugin):
         entropy_sum, sequences = reduced["label_seq"].tolist()
         step_freq.load_state_dict({"vocab_size": self.vocab_size, "counts": reduced["labels"].round().long(),
                                    "seq_entropy_sum": entropy_sum, "num_sequences": int(round(sequences))})
-        self.running.merge(step_freq)
+        if not (step == 1 and self.init_counted):
+            self.running.merge(step_freq)
+        self.init_counted = step == 0
         loss_sum, loss_count = reduced["loss"].tolist()
         loss = loss_sum / loss_count if loss_count and math.isfinite(loss_sum) else None
         tsim_head = site_tsim(reduced, "head")
         event = self.detector.update(step, tsim_head, loss) if step > 0 else None
+        ratio = grad_ratio(records)
+        collapsed, alarm = self.state.update(step, tsim_head, ratio)
         has_labels = step_freq.num_tokens > 0
         step_record = {
             "loss": loss,
             "freq_loss_agg": step_freq.value() if has_labels else None,
             "freq_loss_seq": step_freq.per_sequence_value() if has_labels else None,
             "freq_loss_running": self.running.value() if self.running.num_tokens else None,
+            "freq_loss_corpus": self.freq_corpus,
             "t_sim_embed": site_tsim(reduced, "embed"), "t_sim_head": tsim_head,
-            "transition": event is not None,
+            "transition": event is not None, "grad_ratio": ratio, "collapsed": collapsed,
         }
         self.last = {"step": step, "layers": records, "step_record": step_record}
         if self.writers is not None:
             self.writers.write(step, records, step_record)
-            if event is not None:
-                print(event.line(), flush=True)
+            for line in (event.line() if event is not None else None, alarm):
+                if line is not None:
+                    print(line, flush=True)
+                    self.writers.alert(step, line)
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"running": self.running.state_dict(), "detector": self.detector.state_dict()}
+        return {"running": self.running.state_dict(), "detector": self.detector.state_dict(),
+                "state": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "running" in state:
             self.running.load_state_dict(state["running"])
         if "detector" in state:
             self.detector.load_state_dict(state["detector"])
+        if "state" in state:
+            self.state.load_state_dict(state["state"])
 
     def close(self) -> None:
         if self.writers is not None:

@@ -1,12 +1,19 @@
 """Sinks of the logging rank: TensorBoard scalars, a custom-scalars layout, a t_sim heatmap, JSONL.
 
-TensorBoard tags (l zero-padded to two digits, k in {attn, ffn}):
-    collapse/t_sim/L{l}/{k}/{x|y|out}     collapse/rms_factor/L{l}/{k}/{mean|min|max}
-    collapse/resid_norm/L{l}/{k}          collapse/alpha/L{l}/{k}        collapse/c/L{l}/{k}
-    collapse/grad_norm/L{l}  (+ /attn, /ffn, /norms)
-    collapse/t_sim/embed  collapse/t_sim/head  collapse/loss  collapse/freq_loss/{agg|seq|running}
-    collapse/transition (1 on a flagged step)
-Null values (e.g. t_sim/out under Pre-Norm, alpha at step 0) are not written.
+TensorBoard tags. Up front (the ``collapse`` group of the Scalars page, a few cards):
+    collapse/loss  collapse/freq_loss/{agg|seq|running|corpus}  collapse/t_sim/{embed|head}
+    collapse/transition (1 on a flagged step)  collapse/collapsed (the state alarm: 1/0)
+    collapse/grad_ratio (first/last-layer gradient ratio)
+    collapse/summary/{q}/{min|median|max|deepest}  over layers, q in SUMMARIES (the deepest layer
+      is the last measured one, where the collapse shows first)
+Per-layer detail behind it (the ``collapse_layers`` group; l zero-padded to two digits, k in {attn, ffn}):
+    collapse_layers/t_sim/L{l}/{k}/{x|y|out}     collapse_layers/rms_factor/L{l}/{k}/{mean|min|max}
+    collapse_layers/resid_norm/L{l}/{k}  collapse_layers/alpha/L{l}/{k}  collapse_layers/c/L{l}/{k}
+    collapse_layers/grad_norm/L{l}  (+ /attn, /ffn, /norms)
+Alarm lines are also TensorBoard text (``collapse/alerts``). Null values (e.g. t_sim/out under
+Pre-Norm, alpha at step 0) are not written. Custom scalars: one chart per summary quantity
+(min/median/max/deepest together) and, per layer group of ``LAYER_GROUP`` layers, one chart per
+per-layer quantity (few enough series to tell apart).
 """
 
 from __future__ import annotations
@@ -26,8 +33,14 @@ JSONL_NAME = "collapse_metrics.jsonl"
 LAYER_FIELDS = ("layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean",
                 "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer",
                 "grad_norm_norms")
-STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
-               "transition")
+STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
+               "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed")
+LAYER_GROUP = 4
+# summary name -> (field, sublayers it pools over; None = the layer's output, as in the heatmap)
+SUMMARIES = {"t_sim_out": ("t_sim_out", None), "alpha": ("alpha", SUBLAYERS), "c": ("c", SUBLAYERS),
+             "rms_factor": ("rms_factor_mean", SUBLAYERS), "resid_norm": ("resid_norm", SUBLAYERS),
+             "grad_norm_layer": ("grad_norm_layer", SUBLAYERS[:1])}
+STATS = ("min", "median", "max", "deepest")
 
 
 def finite(value: Any) -> Any:
@@ -39,39 +52,76 @@ def finite(value: Any) -> Any:
 
 def layer_tags(rec: dict[str, Any]) -> dict[str, float | None]:
     """TensorBoard tag -> value for one (layer, sublayer) record."""
-    base, k = f"L{rec['layer']:02d}", rec["sublayer"]
-    tags = {f"collapse/t_sim/{base}/{k}/{t}": rec[f"t_sim_{t}"] for t in ("x", "y", "out")}
-    tags |= {f"collapse/rms_factor/{base}/{k}/{s}": rec[f"rms_factor_{s}"] for s in ("mean", "min", "max")}
-    tags |= {f"collapse/resid_norm/{base}/{k}": rec["resid_norm"], f"collapse/alpha/{base}/{k}": rec["alpha"],
-             f"collapse/c/{base}/{k}": rec["c"], f"collapse/grad_norm/{base}/{k}": rec["grad_norm"]}
+    base, k, p = f"L{rec['layer']:02d}", rec["sublayer"], "collapse_layers"
+    tags = {f"{p}/t_sim/{base}/{k}/{t}": rec[f"t_sim_{t}"] for t in ("x", "y", "out")}
+    tags |= {f"{p}/rms_factor/{base}/{k}/{s}": rec[f"rms_factor_{s}"] for s in ("mean", "min", "max")}
+    tags |= {f"{p}/resid_norm/{base}/{k}": rec["resid_norm"], f"{p}/alpha/{base}/{k}": rec["alpha"],
+             f"{p}/c/{base}/{k}": rec["c"], f"{p}/grad_norm/{base}/{k}": rec["grad_norm"]}
     if k == SUBLAYERS[0]:
-        tags |= {f"collapse/grad_norm/{base}": rec["grad_norm_layer"],
-                 f"collapse/grad_norm/{base}/norms": rec["grad_norm_norms"]}
+        tags |= {f"{p}/grad_norm/{base}": rec["grad_norm_layer"],
+                 f"{p}/grad_norm/{base}/norms": rec["grad_norm_norms"]}
+    return tags
+
+
+def layer_output(rec: dict[str, Any]) -> float | None:
+    """t_sim of a layer's output: the normalised output (Post-Norm), else Y."""
+    return rec["t_sim_out"] if rec["t_sim_out"] is not None else rec["t_sim_y"]
+
+
+def summary_tags(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """collapse/summary/{q}/{min|median|max|deepest} over the measured layers (and sublayers)."""
+    tags: dict[str, float | None] = {}
+    deepest = max((r["layer"] for r in records), default=None)
+    for name, (field, subs) in SUMMARIES.items():
+        if subs is None:
+            pairs = [(r["layer"], layer_output(r)) for r in records if r["sublayer"] == SUBLAYERS[-1]]
+        else:
+            pairs = [(r["layer"], r[field]) for r in records if r["sublayer"] in subs]
+        values = [v for _, v in pairs if v is not None and math.isfinite(v)]
+        last = [v for layer, v in pairs if layer == deepest and v is not None]
+        stats = ((min(values), float(np.median(values)), max(values), last[-1] if last else None) if values
+                 else (None,) * 4)
+        tags |= {f"collapse/summary/{name}/{s}": v for s, v in zip(STATS, stats, strict=True)}
     return tags
 
 
 def step_tags(rec: dict[str, Any]) -> dict[str, float | None]:
-    tags = {f"collapse/freq_loss/{s}": rec[f"freq_loss_{s}"] for s in ("agg", "seq", "running")}
+    tags = {f"collapse/freq_loss/{s}": rec[f"freq_loss_{s}"] for s in ("agg", "seq", "running", "corpus")}
+    collapsed = rec["collapsed"]
     return tags | {"collapse/loss": rec["loss"], "collapse/t_sim/embed": rec["t_sim_embed"],
-                   "collapse/t_sim/head": rec["t_sim_head"], "collapse/transition": float(rec["transition"])}
+                   "collapse/t_sim/head": rec["t_sim_head"], "collapse/transition": float(rec["transition"]),
+                   "collapse/grad_ratio": rec["grad_ratio"],
+                   "collapse/collapsed": None if collapsed is None else float(collapsed)}
 
 
-def custom_scalars_layout() -> dict[str, dict[str, list[Any]]]:
-    """One multiline chart per quantity, all layers on it (regexes over the tags above)."""
-    per_sub = {}
-    for k in SUBLAYERS:
-        for t in ("x", "y", "out"):
-            per_sub[f"t_sim {k} {t}"] = [rf"^collapse/t_sim/L\d+/{k}/{t}$"]
-        for s in ("mean", "min", "max"):
-            per_sub[f"rms factor {k} {s}"] = [rf"^collapse/rms_factor/L\d+/{k}/{s}$"]
-        for q in ("resid_norm", "alpha", "c", "grad_norm"):
-            per_sub[f"{q} {k}"] = [rf"^collapse/{q}/L\d+/{k}$"]
-    charts = {name: ["Multiline", regexes] for name, regexes in per_sub.items()}
-    charts["grad_norm layer"] = ["Multiline", [r"^collapse/grad_norm/L\d+$"]]
-    charts["grad_norm norms"] = ["Multiline", [r"^collapse/grad_norm/L\d+/norms$"]]
-    charts["loss vs frequency loss"] = ["Multiline", [r"^collapse/loss$", r"^collapse/freq_loss/"]]
-    charts["t_sim embed/head"] = ["Multiline", [r"^collapse/t_sim/(embed|head)$"]]
-    return {"collapse": charts}
+def layer_groups(layers: tuple[int, ...], size: int = LAYER_GROUP) -> list[tuple[int, ...]]:
+    return [layers[i:i + size] for i in range(0, len(layers), size)]
+
+
+def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[Any]]]:
+    """Category ``collapse``: loss vs frequency losses, t_sim embed/head, the alarm, one chart per
+    summary quantity. One category per layer group with one chart per per-layer quantity."""
+    top = {"loss vs frequency loss": [r"^collapse/loss$", r"^collapse/freq_loss/"],
+           "t_sim embed/head": [r"^collapse/t_sim/(embed|head)$"],
+           "alarm: collapsed, transition": [r"^collapse/(collapsed|transition)$"],
+           "first/last-layer gradient ratio": [r"^collapse/grad_ratio$"]}
+    top |= {f"{name} over layers": [rf"^collapse/summary/{name}/"] for name in SUMMARIES}
+    layout = {"collapse": {name: ["Multiline", regexes] for name, regexes in top.items()}}
+    for group in layer_groups(layers):
+        ids = "|".join(f"{n:02d}" for n in group)
+        charts: dict[str, list[str]] = {}
+        for k in SUBLAYERS:
+            for t in ("x", "y", "out"):
+                charts[f"t_sim {k} {t}"] = [rf"^collapse_layers/t_sim/L({ids})/{k}/{t}$"]
+            for s in ("mean", "min", "max"):
+                charts[f"rms factor {k} {s}"] = [rf"^collapse_layers/rms_factor/L({ids})/{k}/{s}$"]
+            for q in ("resid_norm", "alpha", "c", "grad_norm"):
+                charts[f"{q} {k}"] = [rf"^collapse_layers/{q}/L({ids})/{k}$"]
+        charts["grad_norm layer"] = [rf"^collapse_layers/grad_norm/L({ids})$"]
+        charts["grad_norm norms"] = [rf"^collapse_layers/grad_norm/L({ids})/norms$"]
+        name = f"layers {group[0]}-{group[-1]}" if len(group) > 1 else f"layer {group[0]}"
+        layout[name] = {title: ["Multiline", regexes] for title, regexes in charts.items()}
+    return layout
 
 
 class TsimHeatmap:
@@ -84,8 +134,7 @@ class TsimHeatmap:
 
     def add(self, step: int, records: list[dict[str, Any]]) -> None:
         last = {r["layer"]: r for r in records if r["sublayer"] == SUBLAYERS[-1]}
-        col = [last[n]["t_sim_out"] if last[n]["t_sim_out"] is not None else last[n]["t_sim_y"]
-               for n in self.layers]
+        col = [layer_output(last[n]) for n in self.layers]
         self.steps.append(step)
         self.columns.append(np.array([np.nan if v is None else v for v in col], dtype=np.float64))
 
@@ -117,6 +166,7 @@ class Writers:
     def __init__(self, writer: Any, directory: str | None, layers: tuple[int, ...],
                  image_interval: int) -> None:
         self.writer = writer
+        self.layers = layers
         self.image_interval = image_interval
         self.heatmap = TsimHeatmap(layers)
         self.measured = 0
@@ -137,9 +187,9 @@ class Writers:
         if self.writer is None:
             return
         if not self.layout_written:
-            self.writer.add_custom_scalars(custom_scalars_layout())
+            self.writer.add_custom_scalars(custom_scalars_layout(self.layers))
             self.layout_written = True
-        tags = step_tags(step_record)
+        tags = step_tags(step_record) | summary_tags(layer_records)
         for rec in layer_records:
             tags |= layer_tags(rec)
         for tag, value in tags.items():
@@ -147,6 +197,12 @@ class Writers:
                 self.writer.add_scalar(tag, value, step)
         if self.image_interval and self.measured % self.image_interval == 0:
             self.writer.add_figure("collapse/t_sim_heatmap", self.heatmap.figure(), step, close=True)
+
+    def alert(self, step: int, line: str) -> None:
+        """An alarm line as TensorBoard text (``collapse/alerts``)."""
+        if self.writer is not None:
+            self.writer.add_text("collapse/alerts", line, step)
+            self.writer.flush()
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A Post-Norm run that first learns and then collapses, beside its Pre-Norm twin (identical settings).
+# Found by tools/stability_sweep.py (docs/readme/collapse.md): 4 layers, d=64, seq 64, batch 8, paper
+# init, lr 3e-2 after a 200-step linear warmup (cosine to 3e-3), 400 steps, on the embedded news corpus
+# tokenized with a 2,048-token BPE trained on it (frequency loss of the train split L = 6.50 nats).
+# Measured (seed 1, metrics every 4 steps): Post-Norm learns to 5.65 (0.85 nats below L, t_sim(X^H)
+# 0.23) by step ~100; as the lr nears its peak the loss climbs back (6.2 at step 180, 6.5 at 244) while
+# t_sim(X^H) rises 0.3 -> 0.75, then jumps to 1.000 at step 320-324 and stays, the loss pinned at L and
+# the first/last-layer gradient ratio down from ~3 to 1e-4..5e-3; the alarm prints
+# "[collapse] COLLAPSED at step 336" (default threshold). Pre-Norm keeps training (final 5.46, t_sim
+# 0.18). With WARMUP=100 the dip is 0.41 nats and the collapse comes at step ~128.
+# ~5 min per run on 2 idle CPU cores.
+#
+#   bash examples/delayed_collapse.sh                 # both runs, then figures
+#   WARMUP=100 LR=3e-2 bash examples/delayed_collapse.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUN_ROOT=${RUN_ROOT:-runs/delayed_collapse}
+FIG_ROOT=${FIG_ROOT:-docs/figures/delayed_collapse}
+LAYERS=${LAYERS:-4}
+LR=${LR:-3e-2}
+WARMUP=${WARMUP:-200}
+ITERS=${ITERS:-400}
+SEED=${SEED:-1}
+DATA_DIR=${DATA_DIR:-data/bpe2k}
+
+python tools/prepare_default_data.py >/dev/null
+if [ ! -f "$DATA_DIR/news2k_text_document.idx" ]; then
+  python tools/train_tokenizer.py --input 'data/news/*.json.gz' --vocab-size 2048 --output-prefix "$DATA_DIR/bpe2k"
+  python tools/preprocess_data.py --input 'data/news/*.json.gz' --output-prefix "$DATA_DIR/news2k" \
+    --tokenizer-model "$DATA_DIR/bpe2k.model" --append-eod --workers 1
+fi
+python tools/stability_sweep.py --out "$RUN_ROOT" --data-path "$DATA_DIR/news2k_text_document" \
+  --tokenizer-model "$DATA_DIR/bpe2k.model" --depths "$LAYERS" --lrs "$LR" --warmups "$WARMUP" \
+  --seeds "$SEED" --iters "$ITERS" --interval 4 --nice 0 "$@"
+lr_name=$(python -c "print('%g' % float('$LR'))")  # the sweep names cells with %g
+for norm in post pre; do
+  run="$RUN_ROOT/cells/${norm}_L${LAYERS}_lr${lr_name}_w${WARMUP}_s${SEED}"
+  python tools/plot_collapse.py --run-dir "$run/tensorboard" --out "${FIG_ROOT}_$norm" --window 40
+done

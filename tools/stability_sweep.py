@@ -1,0 +1,239 @@
+"""Stability sweep: short runs over lr x warmup x depth (x norm x seed) through the real trainer.
+
+    python tools/stability_sweep.py --out runs/sweep --data-path data/news_text_document \\
+        --tokenizer-model data/tokenizer.model --depths 2,6,12 --lrs 1e-2,3e-2,1e-1 --warmups 0,100
+
+Every cell is one ``python -m megapost.pretrain`` subprocess with ``--plugins collapse_metrics``
+(``--jobs`` at once, default: the available cores). A cell is finished when its ``outcome.json``
+exists; a rerun skips finished cells (resumable). After each cell the results CSV
+(``<out>/results.csv``) is rewritten atomically; at the end one phase-diagram PNG per depth
+(``<out>/phase_L{depth}.png``: lr x warmup, colour = outcome, marker = transition step) and the
+alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are printed.
+Flags after ``--`` go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from collapse_metrics.corpus import train_split_frequency_loss
+from collapse_metrics.outcome import read_run, summarize
+
+from megapost.data import SentencePieceTokenizer
+from megapost.utils.atomic import atomic_write_text
+
+FIELDS = ("norm", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed", "best_gap",
+          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "seconds")
+
+
+@dataclass(frozen=True)
+class Cell:
+    norm: str
+    depth: int
+    lr: float
+    warmup: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.norm}_L{self.depth}_lr{self.lr:g}_w{self.warmup}_s{self.seed}"
+
+
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="sweep folder (cells/, results.csv, phase_L*.png)")
+    p.add_argument("--data-path", required=True)
+    p.add_argument("--tokenizer-model", required=True)
+    p.add_argument("--depths", type=ints, default=[2, 6, 12])
+    p.add_argument("--lrs", type=floats, default=[1e-2, 3e-2, 1e-1])
+    p.add_argument("--warmups", type=ints, default=[0, 100])
+    p.add_argument("--norms", default="post,pre")
+    p.add_argument("--seeds", type=ints, default=[1])
+    p.add_argument("--iters", type=int, default=250)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--interval", type=int, default=2, help="--collapse-interval of every run")
+    p.add_argument("--split", default="969,30,1")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
+    p.add_argument("--plot-only", action="store_true", help="rewrite the CSV and figures from finished cells")
+    return p
+
+
+def cell_argv(args: argparse.Namespace, cell: Cell, run_dir: Path) -> list[str]:
+    h = args.hidden
+    return [
+        "--norm-position", cell.norm, "--num-layers", str(cell.depth), "--hidden-size", str(h),
+        "--ffn-hidden-size", str(3 * h), "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
+        "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
+        "--train-iters", str(args.iters), "--lr", str(cell.lr), "--min-lr", str(cell.lr / 10),
+        "--lr-warmup-iters", str(cell.warmup), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--init-variance", "paper", "--seed", str(cell.seed), "--split", args.split,
+        "--data-path", args.data_path, "--tokenizer-model", args.tokenizer_model,
+        "--tensorboard-dir", str(run_dir / "tensorboard"), "--eval-interval", "0", "--log-interval", "50",
+        "--plugins", "collapse_metrics", "--collapse-interval", str(args.interval),
+        "--collapse-image-interval", "0", *args.extra,
+    ]
+
+
+def run_cell(args: argparse.Namespace, cell: Cell, freq_loss: float) -> dict[str, object] | None:
+    run_dir = Path(args.out) / "cells" / cell.name
+    done = run_dir / "outcome.json"
+    if done.is_file():
+        return json.loads(done.read_text(encoding="utf-8"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = run_dir / "tensorboard" / "collapse_metrics.jsonl"
+    jsonl.unlink(missing_ok=True)  # an interrupted attempt starts over
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    with open(run_dir / "train.log", "w", encoding="utf-8") as log:
+        rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
+                              *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if rc != 0 or not jsonl.is_file():
+        print(f"[sweep] {cell.name}: trainer exited with {rc}; see {run_dir / 'train.log'}", flush=True)
+        return None
+    result = {**asdict(cell), **asdict(summarize(read_run(jsonl), freq_loss)),
+              "seconds": round(time.monotonic() - start, 1)}
+    atomic_write_text(done, json.dumps(result))
+    print(f"[sweep] {cell.name}: {result['outcome']} transition {result['transition_step']} alarm "
+          f"{result['alarm_step']} best {result['best_gap']:+.2f} final {result['final_gap']:+.2f} "
+          f"({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
+def write_csv(path: Path, results: list[dict[str, object]]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in results:
+        w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
+    """Recall over Post-Norm runs ending collapsed (a Pre-Norm run ending on the plateau with live
+    gradients is not the collapsed state); false alarms over runs ending trained."""
+    collapsed = [r for r in results if r["outcome"] == "collapsed" and r["norm"] == "post"]
+    trained = [r for r in results if r["outcome"] == "trained"]
+    flagged = [r for r in results if r["alarm_step"] is not None]
+    hits = [r for r in collapsed if r["alarm_step"] is not None]
+    lags = [r["alarm_step"] - r["transition_step"] for r in hits]
+    false = [r for r in trained if r["alarm_step"] is not None]
+    return {"collapsed": len(collapsed), "flagged": len(flagged), "recall": len(hits) / len(collapsed)
+            if collapsed else math.nan, "trained": len(trained), "trained_flagged": len(false),
+            "precision": len([r for r in flagged if r["outcome"] == "collapsed"]) / len(flagged)
+            if flagged else math.nan, "alarm_minus_transition": lags}
+
+
+OUTCOME_COLOURS = {"collapsed": "tab:red", "trained": "tab:green", "plateau": "tab:orange"}
+
+
+def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq_loss: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    norms = [n for n in ("post", "pre") if any(r["norm"] == n for r in results)]
+    fig, axes = plt.subplots(1, len(norms), figsize=(4.2 * len(norms), 3.4), dpi=90, squeeze=False,
+                             sharey=True)
+    warmups = sorted({int(r["warmup"]) for r in results})
+    lrs = sorted({float(r["lr"]) for r in results})
+    for ax, norm in zip(axes[0], norms, strict=True):
+        for r in (r for r in results if r["norm"] == norm):
+            y = warmups.index(int(r["warmup"]))
+            marker = "X" if r["delayed"] else ("o" if r["transition_step"] is None else "v")
+            ax.scatter(float(r["lr"]), y, s=240, c=OUTCOME_COLOURS[str(r["outcome"])], marker=marker,
+                       edgecolors="k")
+            label = (f"t={r['transition_step']}" if r["transition_step"] is not None
+                     else f"{r['final_gap']:+.2f}")
+            ax.annotate(label, (float(r["lr"]), y), textcoords="offset points", xytext=(0, 14), ha="center",
+                        fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
+        ax.minorticks_off()
+        ax.set_xlim(lrs[0] / 1.6, lrs[-1] * 1.6)
+        ax.set_yticks(range(len(warmups)), [str(w) for w in warmups])
+        ax.set_ylim(-0.6, len(warmups) - 0.3)
+        ax.set_xlabel("peak lr")
+        ax.set_title(f"{'Post' if norm == 'post' else 'Pre'}-Norm, {depth} layers")
+    axes[0][0].set_ylabel("warmup steps")
+    handles = [plt.Line2D([], [], ls="", marker="s", color=c, label=o) for o, c in OUTCOME_COLOURS.items()]
+    handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=lab) for m, lab in
+                (("v", "collapsed at step t"), ("X", "delayed collapse"), ("o", "no collapse (final gap)"))]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.suptitle(f"stability phase diagram (loss gap vs frequency loss {freq_loss:.2f} nats)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
+    out = Path(args.out)
+    vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
+    cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
+    freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab, cache).aggregated
+    print(f"[sweep] frequency loss of the train split: {freq:.4f} nats", flush=True)
+    cells = [Cell(n, d, lr, w, s) for d, lr, w, s, n in itertools.product(
+        args.depths, args.lrs, args.warmups, args.seeds, args.norms.split(","))]
+    results: dict[Cell, dict[str, object]] = {}
+
+    def finish(cell: Cell, result: dict[str, object] | None) -> None:
+        if result is not None:
+            results[cell] = result
+            write_csv(out / "results.csv", [results[c] for c in cells if c in results])
+
+    if args.plot_only:
+        for c in cells:
+            done = out / "cells" / c.name / "outcome.json"
+            if done.is_file():
+                jsonl = done.parent / "tensorboard" / "collapse_metrics.jsonl"
+                prev = json.loads(done.read_text(encoding="utf-8"))
+                redo = asdict(summarize(read_run(jsonl), freq))
+                finish(c, {**asdict(c), **redo, "seconds": prev["seconds"]})
+    else:
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            futures = {pool.submit(run_cell, args, c, freq): c for c in cells}
+            for fut in as_completed(futures):
+                finish(futures[fut], fut.result())
+    done = [results[c] for c in cells if c in results]
+    for depth in args.depths:
+        rows = [r for r in done if r["depth"] == depth]
+        if rows:
+            phase_diagram(out / f"phase_L{depth}.png", depth, rows, freq)
+    scores = alarm_scores(done)
+    atomic_write_text(out / "alarm.json", json.dumps(scores))
+    print(f"[sweep] {len(done)}/{len(cells)} cells; alarm {scores}", flush=True)
+    return 0 if len(done) == len(cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
