@@ -22,6 +22,7 @@ from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_fla
 from megapost.arguments import ConfigError
 from megapost.checkpoint_io import META_FILE
 from megapost.checkpoint_safety import ALLOWED_GLOBALS, SafeCheckpointEngine, load_file, write_error
+from megapost.layout_free import write_manifest
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -74,6 +75,7 @@ def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt, tmp_path) ->
     assert set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) <= _allowed()
     state["args"]["note"] = Payload(str(marker))
     torch.save(state, path)
+    write_manifest(str(path.parent))  # an attacker rewrites the size list too: the safe loader must refuse
     proc = pretrain(_flags(tiny_data, **{"--train-iters": 4, "--load": ckpt}), check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not marker.exists(), text[-3000:]
