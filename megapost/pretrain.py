@@ -20,10 +20,10 @@ from .checkpoint_io import check_layout, check_save_dir
 from .data import (
     DataError,
     IndexedDataset,
-    SentencePieceTokenizer,
     build_data_iterator,
-    build_train_valid_test_datasets,
 )
+from .data.blend import build_datasets
+from .data.tokenizer import build_tokenizer
 from .data.tokenizer_sidecar import check_tokenizer_sidecar
 from .distributed import init_distributed, world_size_from_env
 from .ds_config_builder import build_ds_config, reconcile_with_user_config
@@ -64,23 +64,23 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     )
 
 
-def check_data(args: argparse.Namespace, tokenizer: SentencePieceTokenizer) -> IndexedDataset:
-    """The dataset must have been tokenized with this tokenizer (its sidecar says so, see
+def check_data(args: argparse.Namespace, tokenizer: Any) -> None:
+    """Every source must have been tokenized with this tokenizer (its sidecar says so, see
     data/tokenizer_sidecar.py) or, without a sidecar, with a vocabulary this tokenizer covers."""
-    indexed = IndexedDataset(args.data_path)
     say = print if os.environ.get("RANK", "0") == "0" else (lambda _line: None)  # once, not per rank
-    check_tokenizer_sidecar(args.data_path, tokenizer, len(indexed), indexed.num_tokens,
-                            args.allow_tokenizer_mismatch, say)
-    head = np.asarray(indexed.get(0, 0, min(int(indexed.sequence_lengths[0]), 1 << 20)))
-    sample = [head] + [np.asarray(indexed[i]) for i in range(1, min(len(indexed), 64))]
-    top = max(int(s.max()) for s in sample if s.size)
-    if top >= tokenizer.vocab_size:
-        raise ConfigError(
-            f"--data-path {args.data_path} holds token id {top} but --tokenizer-model "
-            f"{args.tokenizer_model} has only {tokenizer.vocab_size} tokens; re-tokenize the data with "
-            "this tokenizer or pass the tokenizer it was built with"
-        )
-    return indexed
+    for prefix in args.data_sources.prefixes:
+        indexed = IndexedDataset(prefix)
+        check_tokenizer_sidecar(prefix, tokenizer, len(indexed), indexed.num_tokens,
+                                args.allow_tokenizer_mismatch, say)
+        head = np.asarray(indexed.get(0, 0, min(int(indexed.sequence_lengths[0]), 1 << 20)))
+        sample = [head] + [np.asarray(indexed[i]) for i in range(1, min(len(indexed), 64))]
+        top = max(int(s.max()) for s in sample if s.size)
+        if top >= tokenizer.vocab_size:
+            raise ConfigError(
+                f"--data-path {prefix} holds token id {top} but --tokenizer-model "
+                f"{args.tokenizer_model} has only {tokenizer.vocab_size} tokens; re-tokenize the data with "
+                "this tokenizer or pass the tokenizer it was built with"
+            )
 
 
 def build_data(args: argparse.Namespace, pstate: Any) -> tuple[Any, Any]:
@@ -89,9 +89,8 @@ def build_data(args: argparse.Namespace, pstate: Any) -> tuple[Any, Any]:
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
     data_dir = os.path.dirname(os.path.abspath(args.data_path))
     cache = args.data_cache_dir or os.path.join(data_dir, "index-cache")
-    train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, seq_length=args.seq_length, seed=args.seed,
-        train_valid_test_num_samples=(train_samples, valid_samples, 0), cache_dir=cache)
+    train, valid, _ = build_datasets(args.data_sources, args.split, seq_length=args.seq_length,
+                                     seed=args.seed, sizes=(train_samples, valid_samples, 0), cache_dir=cache)
 
     def train_iter(consumed: int) -> Any:
         return build_data_iterator(train, consumed, args.micro_batch_size, pstate.dp_rank, pstate.dp_size)
@@ -129,7 +128,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     validate_args(args, world_size)
     if args.load_hf:  # the model flags come from its config.json
         hf.apply_hf_flags(args)
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     check_data(args, tokenizer)
     try:
         model_cfg = model_config_from_args(args, tokenizer.vocab_size)
@@ -160,7 +159,9 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
         plugin.on_model_built(model)
     optimizer = build_optimizer(model, args)
     scheduler = WarmupDecaySchedule(optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
-                                    args.lr_decay_iters, args.lr_decay_style)
+                                    args.lr_decay_iters, args.lr_decay_style,
+                                    wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+                                    wsd_style=args.lr_wsd_decay_style)
     ds_config = build_ds_config(args, user_ds)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
@@ -186,6 +187,8 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     monitor.line(f" megapost: {model_cfg.parameter_summary()}, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
+    for note in args.megatron_notes:
+        monitor.line(f" megapost: accepted {note}")
     if pstate.is_logging_rank and args.tensorboard_dir:
         with atomic_path(os.path.join(args.tensorboard_dir, "args.json")) as tmp, open(tmp, "w") as f:
             json.dump({k: v for k, v in vars(args).items() if k != "explicit"}, f, indent=1, default=str)

@@ -19,6 +19,7 @@ from megapost.data.gpt_indices import (
     build_shuffle_index,
     epochs_needed,
     samples_in,
+    separate_final_epoch,
 )
 from megapost.data.indexed_dataset import IndexedDataset
 from megapost.utils.atomic import atomic_save_npy, atomic_write_text
@@ -26,7 +27,7 @@ from megapost.utils.checksum import file_sha256
 
 logger = logging.getLogger(__name__)
 
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: epochs shuffled jointly (megatron-core's order)
 SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_KINDS = ("document_index", "sample_index", "shuffle_index")
 _DESCRIPTION = "description"  # written last: its presence marks a complete cache entry
@@ -155,13 +156,19 @@ class GPTDataset:
         )
 
     def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """megatron-core's order: documents of all epochs shuffled together (the last epoch apart
+        when it is short), samples cut from that stream, then shuffled (short last epoch apart)."""
         rng = np.random.RandomState(self.seed)
-        document_index = build_document_index(self.doc_ids, self.num_epochs, rng)
+        separate = separate_final_epoch(self.tokens_per_epoch, self.seq_length, self.num_epochs,
+                                        self.num_samples)
+        document_index = build_document_index(self.doc_ids, self.num_epochs, rng, separate)
         sizes = self.indexed.sequence_lengths[document_index]
         total = samples_in(self.num_epochs * self.tokens_per_epoch, self.seq_length)
         sample_index = build_sample_index(sizes, self.seq_length, total)
-        full_epochs = samples_in((self.num_epochs - 1) * self.tokens_per_epoch, self.seq_length)
-        shuffle_index = build_shuffle_index(total, full_epochs if self.num_epochs > 1 else total, rng)
+        first = total
+        if separate:
+            first = samples_in((self.num_epochs - 1) * self.tokens_per_epoch, self.seq_length)
+        shuffle_index = build_shuffle_index(total, first, rng)
         return document_index, sample_index, shuffle_index
 
     def __len__(self) -> int:

@@ -21,15 +21,29 @@ def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> i
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def build_document_index(doc_ids: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """``doc_ids`` repeated ``num_epochs`` times, each epoch independently shuffled."""
-    dtype = np.int32 if len(doc_ids) == 0 or int(np.max(doc_ids)) < 2**31 else np.int64
-    epochs = []
-    for _ in range(num_epochs):
-        epoch = np.array(doc_ids, dtype=dtype)
-        rng.shuffle(epoch)
-        epochs.append(epoch)
-    return np.concatenate(epochs) if epochs else np.zeros(0, dtype=dtype)
+def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_epochs: int, num_samples: int) -> bool:
+    """Whether the last epoch is shuffled apart from the others: only when it contributes less than
+    80% of an epoch's samples (megatron-core's rule), so a prefix of the order covers whole epochs."""
+    if num_epochs == 1:
+        return False
+    before_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_length)
+    from_final = num_samples - before_final
+    per_epoch = samples_in(tokens_per_epoch, seq_length)
+    if not 0 <= from_final <= per_epoch + 1:
+        raise ValueError(f"{num_samples} samples do not end in epoch {num_epochs} of {per_epoch} samples")
+    return from_final < int(0.8 * per_epoch)
+
+
+def build_document_index(doc_ids: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final: bool = False) -> np.ndarray:
+    """``doc_ids`` repeated ``num_epochs`` times and shuffled jointly across epochs; with
+    ``separate_final`` the first ``num_epochs - 1`` epochs and the last are shuffled apart."""
+    if separate_final and num_epochs > 1:
+        head = build_document_index(doc_ids, num_epochs - 1, rng)
+        return np.concatenate([head, build_document_index(doc_ids, 1, rng)])
+    index = np.tile(np.asarray(doc_ids, dtype=np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
 
 
 def build_sample_index(doc_sizes: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:

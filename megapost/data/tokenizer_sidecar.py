@@ -26,10 +26,12 @@ def sidecar_path(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(prefix)}{SIDECAR_SUFFIX}")
 
 
-def tokenizer_identity(tokenizer: SentencePieceTokenizer) -> dict[str, Any]:
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
     """What must agree between preprocessing and training (plus the model file's name, for people)."""
-    return {"type": "sentencepiece", "model_sha256": file_sha256(tokenizer.model_path),
-            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "model_file": tokenizer.model_path.name}
+    path = tokenizer.identity_file
+    return {"type": tokenizer.kind, "model_sha256": file_sha256(path) if path else None,
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+            "model_file": path.name if path else None}
 
 
 def describe(identity: dict[str, Any]) -> str:
