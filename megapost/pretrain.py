@@ -38,6 +38,7 @@ from .parallel import (
     validate_layout,
 )
 from .plugins import PluginContext, plugin_classes
+from .run_dir import apply_named_run, resolve_default_run
 from .schedule import WarmupDecaySchedule
 from .throughput import measure_matmul_tflops
 from .training import Trainer
@@ -105,6 +106,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     pre.add_argument("--plugins", default="")
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
     args = parse_args(argv, classes)
+    apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
     user_ds = reconcile_with_user_config(args)
     validate_args(args, world_size_from_env())
     if args.load:  # a checkpoint of another TP/PP layout: every rank stops here, before any group forms
@@ -113,6 +115,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     check_data(args, tokenizer)
 
     device = init_distributed(args)
+    resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     pstate = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.sequence_parallel)
     model_cfg = model_config_from_args(args, tokenizer.vocab_size)

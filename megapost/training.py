@@ -250,4 +250,6 @@ class Trainer:
         for plugin in self.plugins:
             if plugin.name in states:
                 plugin.load_state_dict(states[plugin.name])
+            plugin.on_resume(it)
+        self.monitor.resume(it, consumed * self.args.seq_length)
         self.monitor.line(f" resumed from {self.args.load} at iteration {it} ({consumed} samples)")

@@ -169,6 +169,10 @@ class CollapseMetricsPlugin(Plugin):
         if "detector" in state:
             self.detector.load_state_dict(state["detector"])
 
+    def on_resume(self, iteration: int) -> None:
+        if self.writers is not None:
+            self.writers.drop_after(iteration)
+
     def close(self) -> None:
         if self.writers is not None:
             self.writers.close()

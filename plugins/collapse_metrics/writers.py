@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from megapost.utils.atomic import atomic_write_text
+
 from .table import SUBLAYERS
 
 JSONL_NAME = "collapse_metrics.jsonl"
@@ -28,6 +30,14 @@ LAYER_FIELDS = ("layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_n
                 "grad_norm_norms")
 STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "t_sim_embed", "t_sim_head",
                "transition")
+
+
+def _step_of(line: str) -> int:
+    """A JSONL record's step; a torn last line (a killed writer) counts as past any resume point."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
 
 
 def finite(value: Any) -> Any:
@@ -122,9 +132,25 @@ class Writers:
         self.measured = 0
         self.layout_written = False
         self.jsonl = None
+        self.jsonl_path = os.path.join(directory, JSONL_NAME) if directory else None
         if directory:
             os.makedirs(directory, exist_ok=True)
-            self.jsonl = open(os.path.join(directory, JSONL_NAME), "a", encoding="utf-8")  # noqa: SIM115
+            self._open()
+
+    def _open(self) -> None:
+        self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def drop_after(self, step: int) -> None:
+        """Resuming at ``step``: rewrite the JSONL (atomically) without the records logged past it."""
+        if self.jsonl is None:
+            return
+        self.jsonl.close()
+        with open(self.jsonl_path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = [line for line in lines if line.strip() and _step_of(line) <= step]
+        if len(kept) != len(lines):
+            atomic_write_text(self.jsonl_path, "".join(kept))
+        self._open()
 
     def write(self, step: int, layer_records: list[dict[str, Any]], step_record: dict[str, Any]) -> None:
         self.measured += 1
