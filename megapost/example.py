@@ -30,11 +30,12 @@ def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
 
 def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:
     from megapost.data import DataError
+    from megapost.interrupts import run_guarded
     from megapost.pretrain import main
 
     repo = Path(script).resolve().parent.parent
-    try:
-        argv = example_argv(norm, repo, user_argv)
+    try:  # signals, launcher death and a busy port are handled before the corpus build
+        argv = run_guarded(lambda: example_argv(norm, repo, user_argv))
     except DataError as e:  # e.g. offline on the first run: one line naming the file to place
         raise SystemExit(f"error: {e}") from None
     main(argv)

@@ -13,7 +13,7 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import engine_hooks
+from . import engine_hooks, interrupts
 from .arguments import ConfigError, parse_args, validate_args
 from .checkpoint_io import check_layout
 from .data import (
@@ -116,6 +116,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
 
     device = init_distributed(args)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
+    interrupts.PROGRESS.args = args
     pstate = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.sequence_parallel)
     model_cfg = model_config_from_args(args, tokenizer.vocab_size)
@@ -146,6 +147,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     peak = args.peak_tflops or measure_matmul_tflops(torch.bfloat16 if args.bf16 else torch.float32, device)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
                       model_cfg.flops_per_token(), peak, device)
+    interrupts.PROGRESS.state = trainer.state
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
@@ -166,7 +168,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv))
     except (DataError, FloatingPointError) as e:  # bad data or a non-finite loss: one line, exit 1
         raise SystemExit(f"error: {e}") from None
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_io
+from .interrupts import ExitConditions, last_checkpoint, resume_command
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
@@ -78,6 +79,7 @@ class Trainer:
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.batches: PluginBatches | None = None
         self.fail_at = injected_failure()
+        self.exits = ExitConditions(args)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -220,11 +222,19 @@ class Trainer:
                 self._validate(history)
             if args.save and args.save_interval and st.iteration % args.save_interval == 0:
                 self.save()
+            exit_reason = self.exits.check(st.iteration)
+            if exit_reason:
+                break
+        else:
+            exit_reason = None
         self._log(force=True)
-        if args.eval_interval and st.iteration % args.eval_interval:
+        if args.eval_interval and st.iteration % args.eval_interval and not exit_reason:
             self._validate(history)
         if args.save and (not args.save_interval or st.iteration % args.save_interval):
             self.save()
+        if exit_reason:
+            self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
+                              f"{last_checkpoint(args.save)}; resume with: {resume_command(args)}")
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
         self.monitor.flush()
         return history
