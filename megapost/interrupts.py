@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import os
@@ -21,6 +22,7 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import ConfigError
+from .utils.atomic import atomic_write_text
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_MASTER_PORT = "29500"
@@ -121,27 +124,63 @@ def install_handlers(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
             signal.signal(sig, _on_signal)
 
 
-def check_master_port() -> None:
-    """Global rank 0 under DeepSpeed's launcher: MASTER_PORT must be free on this node (rank 0 binds it
-    when torch.distributed starts); otherwise fail now, in one line, before any data is built."""
-    port = os.environ.get("MASTER_PORT")
-    if (os.environ.get("RANK") != "0" or not port or "LOCAL_SIZE" not in os.environ
-            or "TORCHELASTIC_RUN_ID" in os.environ):  # torchrun's agent holds the port itself
-        return
+def _port_marker(port: str) -> str:
+    """A name the ranks of one launch.py share (its pid and start time): rank 0's verdict on the port."""
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return os.path.join(tempfile.gettempdir(), f".megapost-port-{port}-{ppid}-{started}")
+
+
+def _port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is fine
         try:
-            s.bind(("", int(port)))
+            s.bind(("", port))
         except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def check_master_port(wait_s: float = 120.0) -> None:
+    """Under DeepSpeed's launcher: global rank 0 (which binds MASTER_PORT when torch.distributed
+    starts) checks that the port is free and fails now, in one line, before any data is built; the
+    other ranks of its node wait for that verdict (a marker file) so none of them starts building."""
+    env = os.environ
+    port = env.get("MASTER_PORT")
+    if (not port or "LOCAL_SIZE" not in env or "RANK" not in env
+            or "TORCHELASTIC_RUN_ID" in env):  # torchrun's agent holds the port itself
+        return
+    rank, marker = int(env["RANK"]), _port_marker(port)
+    if rank == 0:
+        busy = _port_in_use(int(port))
+        atomic_write_text(marker, "busy" if busy else "ok")
+        if busy:
             with socket.socket() as free:
                 free.bind(("", 0))
                 suggestion = free.getsockname()[1]
             raise ConfigError(
                 f"port {port} (MASTER_PORT) is already in use on this node, another job holds it; launch "
                 f"with another, e.g. `deepspeed --master_port {suggestion} ...`"
-            ) from None
+            )
+    elif rank < int(env["LOCAL_SIZE"]):  # rank 0's node
+        deadline = time.time() + wait_s
+        while not os.path.exists(marker) and time.time() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(OSError), open(marker) as f:
+            if f.read() == "busy":
+                raise SystemExit(1)  # rank 0 says why
+
+
+def forget_port_check() -> None:
+    """Rank 0, once every rank has joined the process group: remove the verdict file."""
+    port = os.environ.get("MASTER_PORT")
+    if port and os.environ.get("RANK") == "0":
+        with contextlib.suppress(OSError):
+            os.unlink(_port_marker(port))
 
 
 def at_rank_start() -> None:

@@ -117,6 +117,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     device = init_distributed(args)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     interrupts.PROGRESS.args = args
+    interrupts.forget_port_check()
     pstate = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.sequence_parallel)
     model_cfg = model_config_from_args(args, tokenizer.vocab_size)
