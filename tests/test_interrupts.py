@@ -125,7 +125,8 @@ def test_busy_master_port_fails_in_one_line_before_the_corpus_build(tiny_data, t
     assert "Traceback" not in out and not (tmp_path / "data").exists()  # stopped before the corpus build
 
 
-@pytest.mark.parametrize("flag", ["--exit-interval", "--exit-duration-in-mins"])
+@pytest.mark.parametrize("flag", ["--exit-interval",
+                                  pytest.param("--exit-duration-in-mins", marks=pytest.mark.slow)])
 def test_planned_exits_save_and_exit_0(tiny_data, tmp_path, flag) -> None:
     value = "3" if flag == "--exit-interval" else "0.0001"
     out = pretrain(tiny_model_flags(tiny_data, **{"--train-iters": 50, "--save": tmp_path / "ckpt",
