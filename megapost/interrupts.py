@@ -1,13 +1,14 @@
 """Signals and exits: ranks die with their launcher, Ctrl-C ends in one line, preemption saves and exits 0.
 
 * Under a launcher every rank asks Linux for SIGTERM when its parent (DeepSpeed's ``launch.py``) dies
-  (``prctl(PR_SET_PDEATHSIG)``), and a watchdog thread sends itself SIGTERM when the ``deepspeed``
+  (``prctl(PR_SET_PDEATHSIG)``), and a watchdog thread sends itself SIGINT when the ``deepspeed``
   runner above ``launch.py`` goes away (single-node runs: the runner forwards no signal).
-* Without ``--exit-signal-handler``, SIGINT/SIGTERM stop the run at once; global rank 0 prints
-  ``interrupted at iteration N; last complete checkpoint: ...; resume with: ...`` (exit 128+signal).
-* With it, they only raise a flag; the trainer saves at the next step boundary and exits 0. Ranks agree
-  on the boundary with one all-reduce (MAX) of a 2-int CPU tensor over gloo per step (no device sync),
-  done only when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
+* Without ``--exit-signal-handler``, SIGINT stops the run at once; global rank 0 prints
+  ``interrupted at iteration N; last complete checkpoint: ...; resume with: ...`` (exit 130).
+  SIGTERM keeps its default (immediate exit).
+* With it, SIGINT and SIGTERM only raise a flag; the trainer saves at the next step boundary and
+  exits 0. Ranks agree on the boundary with one all-reduce (MAX) of a 2-int CPU tensor over gloo per
+  step (no device sync), done only when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
 * Before the corpus build, rank 0 checks that ``MASTER_PORT`` is free (one line naming ``--master_port``).
 """
 
@@ -40,7 +41,7 @@ DEFAULT_MASTER_PORT = "29500"
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM without --exit-signal-handler."""
+    """SIGINT without --exit-signal-handler."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -95,7 +96,7 @@ def die_with_launcher() -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent or _ppid_of(parent) != runner:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C reached this rank: the one line
                 return
 
     threading.Thread(target=watch, name="megapost-launcher-watchdog", daemon=True).start()
@@ -106,21 +107,23 @@ def _on_signal(signum: int, _frame: Any) -> None:
     if PROGRESS.deferring:  # --exit-signal-handler: the trainer saves at the next step boundary
         PROGRESS.requested = PROGRESS.requested or signum
         return
-    if PROGRESS.interrupted:  # the launcher's follow-up SIGTERM while we print and exit
+    if PROGRESS.interrupted:
         return
     PROGRESS.interrupted = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's follow-up SIGTERM while we print
     raise Interrupted(signum)
 
 
-def install_handlers(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), defer: bool = False) -> None:
-    """``signals`` raise :class:`Interrupted` once, or (``defer``) only set ``PROGRESS.requested``.
+def install_handlers(defer: bool = False) -> None:
+    """SIGINT raises :class:`Interrupted` once; with ``defer`` (--exit-signal-handler) SIGINT and
+    SIGTERM only set ``PROGRESS.requested``.
 
-    Until training starts only SIGINT is caught: a SIGTERM then (e.g. the launcher stopping the job
-    while this rank waits in a C++ rendezvous, where no Python handler could run) still ends it at once.
+    Without ``defer`` SIGTERM keeps its default, immediate exit: the launcher stops surviving ranks with
+    it when one rank fails, and they may sit in a collective where no Python handler could run.
     """
     PROGRESS.deferring = defer
     if threading.current_thread() is threading.main_thread():
-        for sig in signals:
+        for sig in (signal.SIGINT, signal.SIGTERM) if defer else (signal.SIGINT,):
             signal.signal(sig, _on_signal)
 
 
@@ -188,7 +191,7 @@ def at_rank_start() -> None:
     if getattr(at_rank_start, "done", False):
         return
     at_rank_start.done = True  # type: ignore[attr-defined]
-    install_handlers((signal.SIGINT,))
+    install_handlers()
     die_with_launcher()
     check_master_port()
 
@@ -276,7 +279,8 @@ class ExitConditions:
             and dist.get_world_size() > 1
         if self.reduce and dist.get_backend() != "gloo":  # a CPU side channel: no device sync per step
             self.group = dist.new_group(backend="gloo")
-        install_handlers(defer=self.signals)  # training starts: SIGTERM too
+        if self.signals:
+            install_handlers(defer=True)
 
     def check(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (None: go on)."""
