@@ -152,6 +152,8 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
+    elif args.run_dir:  # a named run restarted before its first checkpoint: its logs start over
+        trainer.continue_logs(-1, -1)
     monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak:.2f} TFLOP/s/device")

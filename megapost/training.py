@@ -254,12 +254,18 @@ class Trainer:
                                  states)
         self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
 
+    def continue_logs(self, iteration: int, consumed: int) -> None:
+        """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
+        TensorBoard directory and the plugins' files, so steps never repeat or go backward."""
+        for plugin in self.plugins:
+            plugin.on_resume(iteration)
+        self.monitor.resume(iteration, consumed * self.args.seq_length)
+
     def load(self) -> None:
         it, consumed, states = checkpoint_io.load(self.engine, self.args)
         self.state.iteration, self.state.consumed_samples = it, consumed
         for plugin in self.plugins:
             if plugin.name in states:
                 plugin.load_state_dict(states[plugin.name])
-            plugin.on_resume(it)
-        self.monitor.resume(it, consumed * self.args.seq_length)
+        self.continue_logs(it, consumed)
         self.monitor.line(f" resumed from {self.args.load} at iteration {it} ({consumed} samples)")

@@ -59,3 +59,22 @@ def test_resume_continues_tensorboard_and_jsonl_without_repeats(tiny_data, tmp_p
     assert head == list(range(1, 9))
     per_step = Counter(r["step"] for r in records)
     assert len(set(per_step.values())) == 1  # every step has the same number of records: no repeats
+
+
+def test_drop_events_after_keeps_each_tag_up_to_its_resume_point(tmp_path) -> None:
+    """Iteration-stepped tags are cut at the iteration, the -vs-tokens tags at the tokens; -1 drops all
+    (a named run restarted before its first checkpoint)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megapost.monitor import drop_events_after
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 6):
+        writer.add_scalar("train/lm_loss", step, step)
+        writer.add_scalar("train-vs-tokens/lm_loss", step, step * 128)
+    writer.close()
+    assert drop_events_after(str(tmp_path), 3, 3 * 128) == 4
+    assert raw_steps(tmp_path, "train/lm_loss") == [1, 2, 3]
+    assert raw_steps(tmp_path, "train-vs-tokens/lm_loss") == [128, 256, 384]
+    assert drop_events_after(str(tmp_path), -1, -1) == 6 and raw_steps(tmp_path, "train/lm_loss") == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
