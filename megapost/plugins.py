@@ -67,6 +67,9 @@ class Plugin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def on_resume(self, iteration: int) -> None:
+        """The run continues from a checkpoint at ``iteration``: drop own outputs logged past it."""
+
     def close(self) -> None:
         pass
 

@@ -14,7 +14,7 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import checkpoint_safety, engine_hooks, hf
+from . import checkpoint_safety, engine_hooks, hf, interrupts
 from .arguments import ConfigError, parse_args, validate_args
 from .checkpoint_io import check_layout, check_save_dir
 from .data import (
@@ -43,6 +43,7 @@ from .parallel import (
 from .peak_flops import resolve_peak
 from .plan import planned_rank_peak
 from .plugins import PluginContext, plugin_classes
+from .run_dir import apply_named_run, resolve_default_run
 from .schedule import WarmupDecaySchedule
 from .throughput import PeakMemory
 from .training import Trainer
@@ -123,6 +124,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     pre.add_argument("--plugins", default="")
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
     args = parse_args(argv, classes)
+    apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
     user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env()
     validate_args(args, world_size)
@@ -146,6 +148,9 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     check_save_dir(args)
 
     device = init_distributed(args)
+    resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
+    interrupts.PROGRESS.args = args
+    interrupts.forget_port_check()
     pstate = initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.sequence_parallel)
     train_iter, valid_iter = build_data(args, pstate)
@@ -178,12 +183,15 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
                       model_cfg.flops_per_token(), peak.tflops, device)
     trainer.memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
+    interrupts.PROGRESS.state = trainer.state
     engine_hooks.install(engine, trainer.before_optimizer_step)
     if args.load:
         trainer.load()
     elif args.load_hf:
         hf.load_hf_weights(engine, pstate, args.load_hf)
         monitor.line(f" loaded the weights of {args.load_hf}")
+    elif args.run_dir:  # a named run restarted before its first checkpoint: its logs start over
+        trainer.continue_logs(-1, -1)
     monitor.line(f" megapost: {model_cfg.parameter_summary()}, norm={args.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")

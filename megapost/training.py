@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import checkpoint_io, finite_guard
 from .hang_report import explain, is_collective_error, start_heartbeat
+from .interrupts import ExitConditions, last_checkpoint, resume_command
 from .monitor import Monitor
 from .parallel.state import ParallelState
 from .plugins import Plugin
@@ -81,6 +82,7 @@ class Trainer:
         self.fail_at = injected_failure()
         self.memory = PeakMemory(device)
         self.memory_report: dict[str, Any] = {}
+        self.exits = ExitConditions(args)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -251,11 +253,19 @@ class Trainer:
                 self._validate(history)
             if args.save and args.save_interval and st.iteration % args.save_interval == 0:
                 self.save()
+            exit_reason = self.exits.check(st.iteration)
+            if exit_reason:
+                break
+        else:
+            exit_reason = None
         self._log(force=True)
-        if args.eval_interval and st.iteration % args.eval_interval:
+        if args.eval_interval and st.iteration % args.eval_interval and not exit_reason:
             self._validate(history)
         if args.save and (not args.save_interval or st.iteration % args.save_interval):
             self.save()
+        if exit_reason:
+            self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
+                              f"{last_checkpoint(args.save)}; resume with: {resume_command(args)}")
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
         history["memory"] = self.memory_report
         self.monitor.flush()
@@ -279,10 +289,18 @@ class Trainer:
                                  states, self.pstate)
         self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
 
+    def continue_logs(self, iteration: int, consumed: int) -> None:
+        """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
+        TensorBoard directory and the plugins' files, so steps never repeat or go backward."""
+        for plugin in self.plugins:
+            plugin.on_resume(iteration)
+        self.monitor.resume(iteration, consumed * self.args.seq_length)
+
     def load(self) -> None:
         it, consumed, states = checkpoint_io.load(self.engine, self.args, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         for plugin in self.plugins:
             if plugin.name in states:
                 plugin.load_state_dict(states[plugin.name])
+        self.continue_logs(it, consumed)
         self.monitor.line(f" resumed from {self.args.load} at iteration {it} ({consumed} samples)")

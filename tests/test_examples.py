@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from dist_utils import free_port
@@ -23,9 +24,18 @@ def test_deepspeed_launcher_runs_the_example(tiny_data, tmp_path, script) -> Non
               MEGAPOST_RUN_DIR=str(tmp_path))
     name = script.removeprefix("pretrain_").removesuffix(".sh")
     assert f"norm={name.removesuffix('norm')}" in out.stdout
-    tb = tmp_path / name / "tensorboard"
-    assert len(read_scalars(tb, "train/lm_loss")) == 4
-    assert (tmp_path / name / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+    run_dir = _only_run(tmp_path)
+    assert run_dir.name.startswith(f"{name}-") and f"run directory: {run_dir}" in out.stdout
+    assert len(read_scalars(run_dir / "tensorboard", "train/lm_loss")) == 4
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+
+
+def _only_run(runs: Path) -> Path:
+    """The single run directory under ``runs`` (``latest`` points at it)."""
+    dirs = [p for p in runs.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert len(dirs) == 1, dirs
+    assert (runs / "latest").resolve() == dirs[0].resolve()
+    return dirs[0]
 
 
 def test_two_ranks_and_bash_give_the_same_losses(tiny_data, tmp_path) -> None:
@@ -33,6 +43,7 @@ def test_two_ranks_and_bash_give_the_same_losses(tiny_data, tmp_path) -> None:
     two = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
                "examples/pretrain_postnorm.sh", *_flags(tiny_data)], MEGAPOST_RUN_DIR=str(tmp_path / "a"))
     assert "(TP,PP,DP)=(1,1,2)" in two.stdout
+    _only_run(tmp_path / "a")  # both ranks agreed on the default run name
     one = run(["bash", "examples/pretrain_postnorm.sh", *_flags(tiny_data)],
               MEGAPOST_RUN_DIR=str(tmp_path / "b"))
     assert len(_losses(one.stdout)) == 4

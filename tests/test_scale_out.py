@@ -129,7 +129,8 @@ def example_reference(tiny_data, tmp_path_factory) -> dict[str, list[float]]:
     Python), computed once."""
     if not _reference:
         tb = tmp_path_factory.mktemp("reference") / "postnorm" / "tensorboard"
-        run(["bash", EXAMPLE, *_example_flags(tiny_data)], MEGAPOST_RUN_DIR=str(tb.parent.parent))
+        run(["bash", EXAMPLE, *_example_flags(tiny_data), "--run-name", "postnorm"],
+            MEGAPOST_RUN_DIR=str(tb.parent.parent))
         _reference.update(train=_losses(tb), valid=_losses(tb, "valid/lm_loss"))
         assert len(_reference["train"]) == ITERS and len(_reference["valid"]) == ITERS // 2
     return _reference
@@ -154,7 +155,9 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
         assert f"nnodes=2, num_local_procs=2, node_rank={node}" in log and "dist_world_size=4" in log
     assert "{'localhost': [0, 1], '127.0.0.1': [2, 3]}" in node0  # DeepSpeed's global_rank_mapping
     assert "(TP,PP,DP)=(2,1,2)" in node1  # the logging rank is the last one, global rank 3 on node 1
-    _assert_same_losses(tmp_path / "run" / "postnorm" / "tensorboard", example_reference)
+    runs = [p for p in (tmp_path / "run").iterdir() if not p.is_symlink()]
+    assert len(runs) == 1  # rank 0 named the run for both nodes
+    _assert_same_losses(runs[0] / "tensorboard", example_reference)
 
 
 # ----------------------------------------------------------------------------- 2. the example at (2,2,1)
@@ -162,7 +165,8 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
 
 def test_example_at_tp2_pp2(tiny_data, tmp_path, example_reference) -> None:
     out = run(_deepspeed(4, [EXAMPLE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                             "2", *_example_flags(tiny_data)]), MEGAPOST_RUN_DIR=str(tmp_path))
+                             "2", *_example_flags(tiny_data), "--run-name", "postnorm"]),
+              MEGAPOST_RUN_DIR=str(tmp_path))
     assert "(TP,PP,DP)=(2,2,1)" in out.stdout
     _assert_same_losses(tmp_path / "postnorm" / "tensorboard", example_reference)
     ckpt = tmp_path / "postnorm" / "checkpoints"

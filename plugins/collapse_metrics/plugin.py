@@ -216,6 +216,10 @@ class CollapseMetricsPlugin(Plugin):
         if "state" in state:
             self.state.load_state_dict(state["state"])
 
+    def on_resume(self, iteration: int) -> None:
+        if self.writers is not None:
+            self.writers.drop_after(iteration)
+
     def close(self) -> None:
         if self.writers is not None:
             self.writers.close()

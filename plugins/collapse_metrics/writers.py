@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from megapost.utils.atomic import atomic_write_text
+
 from .table import SUBLAYERS
 
 JSONL_NAME = "collapse_metrics.jsonl"
@@ -41,6 +43,14 @@ SUMMARIES = {"t_sim_out": ("t_sim_out", None), "alpha": ("alpha", SUBLAYERS), "c
              "rms_factor": ("rms_factor_mean", SUBLAYERS), "resid_norm": ("resid_norm", SUBLAYERS),
              "grad_norm_layer": ("grad_norm_layer", SUBLAYERS[:1])}
 STATS = ("min", "median", "max", "deepest")
+
+
+def _step_of(line: str) -> int:
+    """A JSONL record's step; a torn last line (a killed writer) counts as past any resume point."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
 
 
 def finite(value: Any) -> Any:
@@ -172,9 +182,25 @@ class Writers:
         self.measured = 0
         self.layout_written = False
         self.jsonl = None
+        self.jsonl_path = os.path.join(directory, JSONL_NAME) if directory else None
         if directory:
             os.makedirs(directory, exist_ok=True)
-            self.jsonl = open(os.path.join(directory, JSONL_NAME), "a", encoding="utf-8")  # noqa: SIM115
+            self._open()
+
+    def _open(self) -> None:
+        self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def drop_after(self, step: int) -> None:
+        """Resuming at ``step``: rewrite the JSONL (atomically) without the records logged past it."""
+        if self.jsonl is None:
+            return
+        self.jsonl.close()
+        with open(self.jsonl_path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = [line for line in lines if line.strip() and _step_of(line) <= step]
+        if len(kept) != len(lines):
+            atomic_write_text(self.jsonl_path, "".join(kept))
+        self._open()
 
     def write(self, step: int, layer_records: list[dict[str, Any]], step_record: dict[str, Any]) -> None:
         self.measured += 1

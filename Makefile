@@ -1,0 +1,26 @@
+# The two quick-start commands; each one installs (quick and harmless when already installed) and runs.
+#   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
+#   make test               ruff check . && python -m pytest -q   (what .ci/run runs)
+# Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
+#   ARGS="--train-iters 1000" (flags for the example); PYTEST_ARGS="-m slow".
+PYTHON ?= python
+TORCH ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megapost/torch_extensions
+
+.PHONY: install train test
+
+install:
+ifneq ($(strip $(TORCH)),)
+	$(PIP) "$(TORCH)"
+endif
+	$(PIP) -e ".[dev,hf]"
+
+train: install
+	deepspeed examples/pretrain_postnorm.sh $(ARGS)
+
+test: install
+	ruff check .
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
