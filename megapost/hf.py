@@ -75,7 +75,7 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
                                              "AutoModelForCausalLM": "modeling_megapost.MegapostForCausalLM"}}
 
 
-def _write_tokenizer(tokenizer_model: str, out: Path) -> tuple[int, int]:
+def write_tokenizer(tokenizer_model: str, out: Path) -> tuple[int, int]:
     """The SentencePiece model as a Llama tokenizer; returns (bos, eos) ids."""
     import sentencepiece as spm
 
@@ -127,7 +127,7 @@ def export(full: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_model: str
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        bos, eos = _write_tokenizer(tokenizer_model, tmp)
+        bos, eos = write_tokenizer(tokenizer_model, tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos), indent=1))
         generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False,
                       "use_cache": uses_llama(cfg)}

@@ -96,9 +96,12 @@ def test_huggingface_and_null_tokenizers(tiny_data, tmp_path) -> None:
 
     null = build_tokenizer("NullTokenizer", None, 512)
     assert (null.vocab_size, null.eod) == (512, 511)
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from megapost.hf import write_tokenizer
+
     hf_dir = tmp_path / "hf_tok"
-    transformers.LlamaTokenizer(vocab_file=tiny_data.tokenizer_model).save_pretrained(hf_dir)
+    hf_dir.mkdir()
+    write_tokenizer(tiny_data.tokenizer_model, hf_dir)  # what tools/convert_to_hf.py writes
     hf = build_tokenizer("HuggingFaceTokenizer", str(hf_dir))
     sp = build_tokenizer("SentencePieceTokenizer", tiny_data.tokenizer_model)
     assert hf.vocab_size == sp.vocab_size and hf.eod == sp.eod
