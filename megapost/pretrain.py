@@ -143,7 +143,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     peak = args.peak_tflops or measure_matmul_tflops(torch.bfloat16 if args.bf16 else torch.float32, device)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
                       model_cfg.flops_per_token(), peak, device)
-    engine_hooks.install(engine, trainer.before_optimizer_step)
+    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     if args.load:
         trainer.load()
     monitor.line(f" megapost: {model_cfg.num_parameters() / 1e6:.2f}M parameters, norm={args.norm_position}, "
