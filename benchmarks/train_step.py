@@ -7,7 +7,6 @@ per-round ratio, on the wall clock and on this process's CPU time.
     python benchmarks/train_step.py                 # fp32: megapost vs a bare fp32 loop
     python benchmarks/train_step.py --bf16          # bf16: megapost vs a bare loop of the same math,
                                                     #   and megapost's bf16 vs fp32 step
-    python benchmarks/train_step.py --compile       # megapost with --compile vs eager (add --bf16)
     python benchmarks/train_step.py --bf16 --layers 8 --hidden 512 --seq 512 --vocab 32000 --micro 2
 
 The bare bf16 loop does what megapost's bf16 does, in plain PyTorch: bf16 weights and activations
@@ -42,13 +41,9 @@ class BareLoop:
     """A plain PyTorch training step of ``LlamaModel``: ``mode`` is fp32, autocast (fp32 weights,
     bf16 autocast) or bf16 (bf16 weights, fp32 master weights and fp32 gradient accumulation)."""
 
-    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int,
-                 compile_blocks: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int) -> None:
         self.mode, self.accum, self.clip = mode, accum, args.clip_grad
         self.model = LlamaModel(cfg)
-        if compile_blocks:
-            for block in self.model.layers:
-                block.compile()
         self.batches: Iterator[dict[str, torch.Tensor]] = synthetic_batches(cfg.vocab_size, micro,
                                                                             cfg.seq_length)
         if mode != "bf16":
@@ -119,7 +114,6 @@ def main() -> None:
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--compile", action="store_true", help="megapost --compile vs eager")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b = p.parse_args()
     if b.threads:
@@ -128,11 +122,7 @@ def main() -> None:
     trainer, cfg, args = build_trainer(b, precision)
     variants: dict[str, Callable[[], Any]] = {"megapost": lambda: float(trainer.train_step(1))}
     pairs: list[tuple[str, str, str]] = []  # (numerator, denominator, what and target)
-    if b.compile:
-        compiled, _, _ = build_trainer(b, [*precision, "--compile"])
-        variants["megapost --compile"] = lambda: float(compiled.train_step(1))
-        pairs.append(("megapost --compile", "megapost", "compiled / eager"))
-    elif b.bf16:
+    if b.bf16:
         bare = BareLoop(cfg, args, "bf16", b.micro, b.accum)
         autocast = BareLoop(cfg, args, "autocast", b.micro, b.accum)
         fp32, _, _ = build_trainer(b, [])
