@@ -105,14 +105,16 @@ def run_rounds(variants: dict[str, Callable[[], Any]], rounds: int, peak_dtype: 
     return times, peaks
 
 
-def ratio(t: dict[str, list[float]], a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(t[a], t[b], strict=True))
+def ratio(t: dict[str, list[float]], a: str, b: str) -> str:
+    """Median of the per-round ratios, with their range (the noise)."""
+    r = [x / y for x, y in zip(t[a], t[b], strict=True)]
+    return f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p)
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b = p.parse_args()
@@ -146,7 +148,7 @@ def main() -> None:
         medians = " | ".join(f"{n} {statistics.median(v) * 1e3:.1f} ms" for n, v in t.items())
         print(f"{clock} clock: {medians}")
     for num, den, what in pairs:
-        print(f"{what}: wall {ratio(times['wall'], num, den):.3f} | cpu {ratio(times['cpu'], num, den):.3f}")
+        print(f"{what}: wall {ratio(times['wall'], num, den)} | cpu {ratio(times['cpu'], num, den)}")
     t_ours = statistics.median(times["wall"]["megapost"])
     model_tflops = tokens * cfg.flops_per_token() / t_ours / 1e12
     peak = statistics.median(peaks)
