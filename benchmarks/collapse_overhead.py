@@ -35,11 +35,13 @@ def main() -> None:
     p.add_argument("--block", type=int, default=100, help="optimizer steps per timed block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--bf16", action="store_true")
     b = p.parse_args()
     if b.threads:
         torch.set_num_threads(b.threads)
     with tempfile.TemporaryDirectory(prefix="collapse-overhead-") as tb_dir:
-        trainer, _, _ = build_trainer(b, ["--plugins", "collapse_metrics"], [CollapseMetricsPlugin], tb_dir)
+        trainer, _, _ = build_trainer(b, ["--plugins", "collapse_metrics", *(["--bf16"] if b.bf16 else [])],
+                                    [CollapseMetricsPlugin], tb_dir)
         plugin = trainer.plugins[0]
         variants = {"none": None, "interval 1": 1, "interval 100": 100}
         steps = dict.fromkeys(variants, 0)

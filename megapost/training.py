@@ -92,13 +92,18 @@ class Trainer:
             value /= self.pstate.dp_size
         return value
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
         losses = []
         for _ in range(self.args.grad_accum_steps):
             batch = next(batches)
-            tokens = batch["tokens"].to(self.device, non_blocking=True)
-            logits = self.engine(tokens)
-            loss = self.loss_fn(logits, batch["labels"].to(self.device), batch["loss_mask"].to(self.device))
+            tokens, labels, mask = (self._to_device(batch[k]) for k in ("tokens", "labels", "loss_mask"))
+            loss = self.loss_fn(self.engine(tokens), labels, mask)
             if backward:
                 self.engine.backward(loss)
                 self.engine.step()
