@@ -18,28 +18,13 @@ import time
 import torch
 from bench_common import build_trainer
 
-# bf16 dense peak TFLOP/s by device-name substring (vendor datasheets, SXM parts); used only when
-# megapost.throughput has no peak_tflops_for and --peak-tflops is not given.
-BF16_DENSE_PEAK = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+from megapost.peak_flops import resolve_peak
 
 
-def device_peak(name: str, given: float) -> tuple[float, str]:
-    if given:
-        return given, "--peak-tflops"
-    try:
-        from megapost.throughput import peak_tflops_for  # type: ignore[attr-defined]
-
-        peak = peak_tflops_for(name, torch.bfloat16)
-        if peak:
-            return float(peak), "megapost.throughput.peak_tflops_for"
-    except ImportError:
-        pass
-    for key, peak in BF16_DENSE_PEAK.items():
-        if key in name:
-            return peak, "datasheet table"
-    from megapost.throughput import measure_matmul_tflops
-
-    return measure_matmul_tflops(torch.bfloat16, torch.device("cuda")), "measured matmul"
+def device_peak(given: float, device: torch.device) -> tuple[float, str]:
+    """--peak-tflops, else megapost's datasheet table by device name, else a measured matmul peak."""
+    peak = resolve_peak(given, torch.bfloat16, device)
+    return peak.tflops, peak.source
 
 
 def main() -> None:
@@ -72,7 +57,7 @@ def main() -> None:
     tflops = tokens_per_s * cfg.flops_per_token() / 1e12
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
-        peak, source = device_peak(name, b.peak_tflops)
+        peak, source = device_peak(b.peak_tflops, device)
     else:
         peak, source = b.peak_tflops or 1.0, "cpu"
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
