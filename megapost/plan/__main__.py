@@ -12,9 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from megapost.arguments import ConfigError, build_parser, explicit_dests
+from megapost.arguments import ConfigError, build_parser, parse_with_preset
 from megapost.model import ModelConfig
-from megapost.presets import PRESETS
 
 from . import precision_from_ds_config
 from .counts import parameter_counts
@@ -46,13 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    args.explicit = explicit_dests(parser, argv)
-    if args.preset:
-        for key, value in PRESETS[args.preset].items():
-            if key not in args.explicit:
-                setattr(args, key, value)
+    args = parse_with_preset(_parser(), argv)
     if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
     return args
