@@ -24,6 +24,8 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
 
 
+DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
+
 def _parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog, p.description = "python -m megapost.plan", __doc__
@@ -34,8 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-margin", type=float, default=0.10,
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
-    g.add_argument("--vocab-size", type=int, default=32000,
-                   help="tokenizer vocabulary (padded as the trainer does)")
     g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
     g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
@@ -56,7 +56,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     from megapost.pretrain import model_config_from_args
 
     try:
-        return model_config_from_args(args, args.vocab_size)
+        return model_config_from_args(args, args.vocab_size or DEFAULT_VOCAB)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
