@@ -8,16 +8,21 @@ import json
 import math
 
 import pytest
-from launch_utils import pretrain, read_scalars, tiny_model_flags
-
 from collapse_metrics.early_warning import EarlyWarning, first_warning
 from collapse_metrics.guard import Remedy
 from collapse_metrics.outcome import read_run, summarize
+from launch_utils import pretrain, read_scalars, tiny_model_flags
+
 from megapost.arguments import ConfigError
 
 
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _guard(remedy: str) -> dict:
+    return {"--collapse-guard": True, "--collapse-guard-remedy": remedy, "--collapse-guard-retries": 1,
+            "--collapse-guard-interval": 2}
 
 
 def _run(tiny_data, out, norm: str = "post", check: bool = True, **extra):
@@ -43,7 +48,8 @@ def test_early_warning_replay_known_lead(tmp_path):
                 lines.append({"step": step, "layer": layer, "sublayer": sub, "t_sim_out": 0.1,
                               "resid_norm": resid if layer == 2 else 8.0,
                               "grad_norm_layer": (1e-9 if collapsed and layer == 1 else 1.0)})
-        lines.append({"step": step, "loss": 7.0 if collapsed else 5.0, "t_sim_head": 1.0 if collapsed else 0.2})
+        lines.append({"step": step, "loss": 7.0 if collapsed else 5.0,
+                      "t_sim_head": 1.0 if collapsed else 0.2})
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     outcome = summarize(read_run(path), 7.0)
     # the first step with 8 * 1.1^k >= 4 * 6 (the minimum, at step 8): k >= log(3) / log(1.1)
@@ -84,8 +90,7 @@ def test_guard_rolls_back_exactly_and_retries_are_bounded(tiny_data, tmp_path):
     # remedy lr*1 (none): after the rollback the run replays bit for bit, collapses at the same step,
     # and with --collapse-guard-retries 1 the second alarm stops it with one line
     out = tmp_path / "same"
-    proc = _run(tiny_data, out, check=False, **{"--collapse-guard": True, "--collapse-guard-remedy": "lr*1",
-                                                "--collapse-guard-retries": 1, "--collapse-guard-interval": 2})
+    proc = _run(tiny_data, out, check=False, **_guard("lr*1"))
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log
     recs = _records(out / "collapse_metrics.jsonl")
@@ -108,8 +113,7 @@ def test_guard_rolls_back_exactly_and_retries_are_bounded(tiny_data, tmp_path):
 
 def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
     out = tmp_path / "lr"
-    proc = _run(tiny_data, out, check=False, **{"--collapse-guard": True, "--collapse-guard-remedy": "lr*0.1",
-                                                "--collapse-guard-retries": 1, "--collapse-guard-interval": 2})
+    proc = _run(tiny_data, out, check=False, **_guard("lr*0.1"))
     log = proc.stdout + proc.stderr
     recs = _records(out / "collapse_metrics.jsonl")
     guard = [r["guard"] for r in recs if "guard" in r]
@@ -127,4 +131,5 @@ def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
 def test_guard_refuses_zero1(tiny_data, tmp_path):
     proc = _run(tiny_data, tmp_path, check=False, **{"--collapse-guard": True, "--zero-stage": 1})
     assert proc.returncode != 0
-    assert "error: --collapse-guard: in-memory snapshots are exact only for --zero-stage 0 in fp32" in proc.stderr
+    assert "error: --collapse-guard: in-memory snapshots are exact only for --zero-stage 0 in fp32" \
+        in proc.stderr

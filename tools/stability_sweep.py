@@ -36,7 +36,8 @@ from megapost.data import SentencePieceTokenizer
 from megapost.utils.atomic import atomic_write_text
 
 FIELDS = ("norm", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed", "best_gap",
-          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "warning_step", "seconds")
+          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "warning_step",
+          "seconds")
 
 
 @dataclass(frozen=True)
