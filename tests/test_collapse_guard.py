@@ -111,21 +111,32 @@ def test_guard_rolls_back_exactly_and_retries_are_bounded(tiny_data, tmp_path):
     assert read_scalars(out, "collapse/guard/rollbacks") == {alarm: 1.0}
 
 
+def _split_at_rollback(recs: list[dict]) -> tuple[dict, dict, dict]:
+    cut = recs.index(next(r for r in recs if "guard" in r))
+    return (recs[cut]["guard"], {r["step"]: r for r in recs[:cut] if "loss" in r},
+            {r["step"]: r for r in recs[cut:] if "loss" in r})
+
+
 def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
     out = tmp_path / "lr"
     proc = _run(tiny_data, out, check=False, **_guard("lr*0.1"))
-    log = proc.stdout + proc.stderr
-    recs = _records(out / "collapse_metrics.jsonl")
-    guard = [r["guard"] for r in recs if "guard" in r]
-    assert len(guard) >= 1 and guard[0]["lr"] == pytest.approx(0.01), log
-    back = guard[0]["to_step"]
-    cut = recs.index(next(r for r in recs if "guard" in r))
-    before = {r["step"]: r for r in recs[:cut] if "loss" in r}
-    after = {r["step"]: r for r in recs[cut:] if "loss" in r}
+    guard, before, after = _split_at_rollback(_records(out / "collapse_metrics.jsonl"))
+    assert guard["lr"] == pytest.approx(0.01), proc.stdout + proc.stderr
+    back = guard["to_step"]
     # the first step after the rollback sees the snapshot's parameters (its loss is computed before the
     # update): equal; the next one follows a 10x smaller update: different
     assert after[back + 1]["loss"] == before[back + 1]["loss"]
     assert after[back + 2]["loss"] != before[back + 2]["loss"]
+
+
+def test_guard_skip_moves_on_in_the_data(tiny_data, tmp_path):
+    out = tmp_path / "skip"
+    proc = _run(tiny_data, out, check=False, **_guard("skip"))
+    log = proc.stdout + proc.stderr
+    guard, before, after = _split_at_rollback(_records(out / "collapse_metrics.jsonl"))
+    assert "data window skipped" in log and guard["lr"] == pytest.approx(0.1)
+    # same parameters as before the first re-run step, but the next batch, not the replayed one
+    assert after[guard["to_step"] + 1]["loss"] != before[guard["to_step"] + 1]["loss"]
 
 
 def test_guard_refuses_zero1(tiny_data, tmp_path):
