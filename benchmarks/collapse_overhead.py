@@ -31,6 +31,14 @@ from collapse_metrics.plugin import CollapseMetricsPlugin
 TARGETS = {1: 1.15, 100: 1.01}
 
 
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return [t for v in tree for t in _tensors(v)] if isinstance(tree, (list, tuple)) else []
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p)
@@ -73,6 +81,14 @@ def main() -> None:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 block(name, b.block)
         plugin.close()
+        snap_times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            snap = trainer.snapshot()
+            snap_times.append(time.perf_counter() - start)
+        mb = sum(t.numel() * t.element_size() for t in _tensors(snap)) / 2**20
+    print(f"one snapshot: {statistics.median(snap_times) * 1e3:.1f} ms for {mb:.1f} MiB on the host, i.e. "
+          f"{statistics.median(snap_times) / b.guard_interval * 1e3:.2f} ms/step at M={b.guard_interval}")
     for clock, t in times.items():
         base = t["none"]
         line = [f"{clock} clock: no plugin {statistics.median(base) / b.block * 1e3:.1f} ms/step"]
