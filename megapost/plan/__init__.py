@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from megapost.model import ModelConfig
+from megapost.model.loss import BLOCK_ELEMENTS, DEFAULT_BLOCK_ELEMENTS
 
 from .counts import ParameterCounts, parameter_counts
 from .memory import Layout, Precision, RankMemory, rank_memory, stage_memory
@@ -17,7 +18,8 @@ __all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_co
 
 
 def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
-                             norm_kernel: str = "fused") -> Precision:
+                             norm_kernel: str = "fused",
+                             loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> Precision:
     """The settings of a (generated) DeepSpeed config that change memory."""
     zero = ds_config.get("zero_optimization", {})
     return Precision(
@@ -25,7 +27,7 @@ def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
         reduce_bucket_size=int(zero.get("reduce_bucket_size", Precision.reduce_bucket_size)),
         overlap_comm=bool(zero.get("overlap_comm", False)),
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-        fused_adam=fused_adam, norm_kernel=norm_kernel,
+        fused_adam=fused_adam, norm_kernel=norm_kernel, loss_block_elements=loss_block_elements,
     )
 
 
@@ -35,9 +37,10 @@ def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any,
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
                     args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
                     pstate.sequence_parallel, args.checkpoint_num_layers)
-    cuda = torch.cuda.is_available()  # megapost.optimizer builds fused AdamW on CUDA only
+    cuda = torch.cuda.is_available()  # megapost.optimizer builds fused AdamW on every device
     from megapost.model.norm import _ApexRMSNorm
 
     kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"
-    prec = precision_from_ds_config(ds_config, fused_adam=cuda, norm_kernel=kernel)
+    block = BLOCK_ELEMENTS.get("cuda" if cuda else "cpu", DEFAULT_BLOCK_ELEMENTS)
+    prec = precision_from_ds_config(ds_config, norm_kernel=kernel, loss_block_elements=block)
     return stage_memory(cfg, layout, prec, pstate.pp_rank).peak

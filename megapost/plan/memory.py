@@ -10,15 +10,19 @@ builds for megapost's config (``megapost/ds_config_builder.py``):
 - bf16, ZeRO-1 (``BF16_Optimizer``, chosen for bf16 + stage 1 + fp32 ``grad_accum_dtype``): bf16
   weights 2P, a flat fp32 gradient accumulator over all of this rank's parameters 4P (not
   partitioned), fp32 master 4P/N and moments 8P/N — Megatron's 6 + 12/N bytes with its distributed
-  optimizer — plus the bf16 param grads 2P it accumulates from (without ``immediate_grad_update``
-  they are zeroed, not freed, between micro-batches, and live until the step).
+  optimizer. megapost sets ``immediate_grad_update``: a hook adds each bf16 param grad into the
+  accumulator as autograd produces it and frees it, so only one (2x the largest tensor, plus its
+  fp32 copy 4x) is alive at a time, during backward.
 - bf16, ZeRO-2: weights 2P and 18P/N (bf16 gradient partition 2, its fp32 copy at the step 4, master
   4, moments 8) — exactly ``estimate_zero2_model_states_mem_needs(..., cpu_offload=False)``.
 
 Buffers: ``DeepSpeedZeroOptimizer`` with ``contiguous_gradients`` (default on) allocates a
-``reduce_bucket_size``-element gradient staging buffer (two with ``overlap_comm``); the ZeRO-0 engine
-flattens gradients into one copy per all-reduce of up to 5e8 elements; pipeline stages receive and
-send [b, s, h] activations and gradients.
+``reduce_bucket_size``-element gradient staging buffer (two with ``overlap_comm``); with N > 1 the
+engine's fallback all-reduce (ZeRO-0 fp32, the BF16_Optimizer's fp32 accumulator; fp32
+``communication_data_type``) flattens gradients into one fp32 copy per bucket of up to 5e8 elements —
+at N = 1 megapost turns that reduction off (``engine_hooks.skip_single_rank_reduction``); pipeline
+stages receive and send [b, s, h] activations and gradients. The optimizer is torch's fused AdamW on
+every device (``megapost/optimizer.py``): no per-tensor temporaries at the step.
 
 Activations per block and micro-batch (T = b*s tokens, e = 2 bf16 / 4 fp32 bytes, t = TP,
 Ts = T/t under sequence parallelism, else T), counted from what autograd saves in megapost's block
@@ -37,8 +41,12 @@ per layer, /t with TP+SP; ``korthikanti_layer_bytes`` gives it for comparison. m
 dropout, no s^2 term (SDPA), SwiGLU and fp32 norm inputs, hence its own count above.
 Full checkpointing (``--checkpoint-activations``) keeps each segment's input e*Ts*h and recomputes one
 segment during backward. 1F1B keeps ``min(pp - stage, micro-batches)`` micro-batches in flight on a
-stage. The head keeps the vocab-parallel logits e*T*V/t and the fp32 softmax (TP) or log-softmax
-(TP=1) 4*T*V/t, and its backward briefly holds two more fp32 logit-sized tensors.
+stage. The head (``head_bytes``): at TP=1 megapost's blocked cross-entropy (``megapost/model/loss.py``)
+saves only the logits e*T*V and the fp32 log-sum-exp 4*T, and its backward holds the logits' gradient
+e*T*V plus one fp32 block of rows (``BLOCK_ELEMENTS``; none for fp32 logits, which it rewrites in
+place). Under TP the vocab-parallel loss keeps only the fp32 softmax 4*T*V/t (not the logits) and
+its backward holds two more fp32 logit-sized tensors. Without a pipeline nothing else holds the logits;
+DeepSpeed's pipeline keeps them in its output buffers (through the step).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from megapost.model import ModelConfig
+from megapost.model.loss import DEFAULT_BLOCK_ELEMENTS
 
 from .counts import kv_groups, kv_groups_per_rank, stage_layers, stage_parameters
 
@@ -82,8 +91,9 @@ class Precision:
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    fused_adam: bool = True  # torch's fused AdamW (megapost on CUDA); False: the unfused CPU loop
+    fused_adam: bool = True  # torch's fused AdamW (megapost everywhere); False: torch's per-tensor loop
     norm_kernel: str = "fused"  # "composite" on CPU, "fused" (torch) or "apex" on CUDA: norm_bytes
+    loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS  # megapost.model.loss.BLOCK_ELEMENTS of the device
 
     @property
     def act_bytes(self) -> int:
@@ -114,8 +124,8 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, bf16: bool) -> dict
     if not bf16 and zero_stage == 0:
         return {"weights": 4 * params, "gradients": 4 * params, "optimizer": 8 * params}
     master_and_moments = 12 * params // n
-    if bf16 and zero_stage == 1:  # fp32 accumulator + the bf16 param grads it is fed from
-        return {"weights": 2 * params, "gradients": 6 * params, "optimizer": master_and_moments}
+    if bf16 and zero_stage == 1:  # the fp32 accumulator (bf16 grads are freed as they are added in)
+        return {"weights": 2 * params, "gradients": 4 * params, "optimizer": master_and_moments}
     if bf16:  # ZeRO-2: bf16 partition + its fp32 copy at the step
         return {"weights": 2 * params, "gradients": 6 * params // n, "optimizer": master_and_moments}
     grads = 4 * params if zero_stage == 1 else 4 * params // n
@@ -158,13 +168,18 @@ def korthikanti_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int = 1, sp:
 
 
 def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
-               norm_kernel: str = "composite") -> tuple[int, int]:
-    """(saved by the head for one micro-batch, extra transient in its backward)."""
+               norm_kernel: str = "composite", block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+               pipelined: bool = False) -> tuple[int, int]:
+    """(saved by the head for one micro-batch, extra transient in its backward): module docstring."""
     h, v, t_all = cfg.hidden_size, cfg.vocab_size // tp, micro_batch * cfg.seq_length
     t_sp = t_all // tp if sp else t_all
     norm = norm_bytes(t_sp, h, e == 2, norm_kernel) if cfg.norm_position == "pre" else 0
-    saved = norm + e * t_all * h + e * t_all * v + 4 * t_all * v
-    return saved, 2 * 4 * t_all * v
+    if tp == 1:  # blocked CE: logits + log-sum-exp; backward: dlogits + one fp32 block (bf16 logits)
+        rows = min(t_all, max(1, block_elements // max(v, 1)))
+        block = 4 * rows * v if e != 4 else 0
+        return norm + e * t_all * h + e * t_all * v + 4 * t_all, e * t_all * v + block
+    held = e * t_all * v if pipelined else 0  # the pipeline's output buffer; else nothing holds them
+    return norm + e * t_all * h + held + 4 * t_all * v, 2 * 4 * t_all * v
 
 
 def _optimizer_kind(zero_stage: int, bf16: bool) -> str:
@@ -179,12 +194,14 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
 
     backward: states + every in-flight micro-batch's saved activations + the head's backward
       transient + the gradients alive then (full ones when accumulated over micro-batches, the
-      BF16_Optimizer's fp32 accumulator always) + the ZeRO staging bucket;
-    gradient reduction (ZeRO-0): states + gradients + DeepSpeed's flat all-reduce copy;
+      BF16_Optimizer's fp32 accumulator always, plus one bf16 param grad and its fp32 copy) + the ZeRO
+      staging bucket;
+    gradient reduction (ZeRO-0 and BF16_Optimizer, N > 1 only): states + gradients + DeepSpeed's flat
+      all-reduce copy;
     optimizer step: states + the gradients the step reads (ZeRO: the flat partition and its fp32
-      copy) + Adam's temporaries (two of the largest stepped tensor for torch's unfused CPU AdamW;
-      none for the fused CUDA kernel megapost uses on GPUs).
-    The logits of the last micro-batch stay referenced by the training loop through the step."""
+      copy; BF16_Optimizer: its accumulator, already in the states) + Adam's temporaries (two of the
+      largest stepped tensor for torch's unfused AdamW; none for the fused kernel megapost uses).
+    Under a pipeline the logits of the last micro-batch stay in its output buffer through the step."""
     e, lay, n = prec.act_bytes, layout, layout.dp
     params = stage_parameters(cfg, lay.tp, lay.pp, stage)
     states = model_state_bytes(params, n, lay.zero_stage, prec.bf16)
@@ -206,8 +223,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1
     head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
-                                             prec.norm_kernel) if last else (0, 0))
+                                             prec.norm_kernel, prec.loss_block_elements, lay.pp > 1)
+                                  if last else (0, 0))
     logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
+    held_at_step = logits if lay.pp > 1 else 0  # without a pipeline the loss's graph holds them last
     # DeepSpeed's pipeline keeps each buffer's outputs (the last stage's logits) until reused:
     # max(2, in-flight) buffers, as many as there are micro-batches.
     held_logits = (min(max(2, in_flight), m) - 1) * logits if lay.pp > 1 else 0
@@ -215,37 +234,40 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     # buffers
     bucket = prec.reduce_bucket_size * e * (2 if prec.overlap_comm else 1) if (
         kind == "zero" and prec.contiguous_gradients) else 0
-    flat_allreduce = 4 * min(params, ZERO0_ALLREDUCE_ELEMENTS) if kind == "torch" else 0
+    reduced = kind != "zero" and n > 1  # the engine's fallback all-reduce (off at N = 1)
+    flat_allreduce = 4 * min(params, ZERO0_ALLREDUCE_ELEMENTS) if reduced else 0
     pipe_buffers = 2 * boundary if lay.pp > 1 else 0
     buffers = max(bucket, flat_allreduce) + pipe_buffers
     full_grads = 4 * params if kind != "zero" or lay.zero_stage == 1 else 0  # fp32 grads held in full
     model_states = states["weights"] + states["optimizer"]
     if kind == "bf16_optimizer":  # the fp32 accumulator lives from initialisation on
         model_states += 4 * params
-    # gradients alive while a later micro-batch runs backward: fp32 param grads (ZeRO-0/1), the
-    # ZeRO-2 partition, or the BF16_Optimizer's bf16 param grads (zeroed, not freed, between micro-batches)
-    accumulated = {"torch": full_grads, "bf16_optimizer": 2 * params}.get(kind, full_grads)
+    # gradients alive while a later micro-batch runs backward: fp32 param grads (ZeRO-0/1) or the
+    # ZeRO-2 partition; the BF16_Optimizer's accumulator is in model_states and its bf16 grads are freed
+    accumulated = {"torch": full_grads, "bf16_optimizer": 0}.get(kind, full_grads)
     if kind == "zero" and lay.zero_stage == 2:
         accumulated = e * params // n
-    # the head's backward transient and a checkpointed segment's recompute do not overlap
-    transient = max(head_transient, recompute)
+    largest = _largest_tensor(cfg, lay.tp, stage, lay.pp)
+    grad_hook = 6 * largest if kind == "bf16_optimizer" else 0  # one bf16 grad + its fp32 copy
+    # the head's backward transient, a checkpointed segment's recompute and a grad hook do not overlap
+    transient = max(head_transient, recompute, grad_hook)
     first = in_flight * per_micro + head_saved + held_logits + transient
     alive = in_flight if m > in_flight else in_flight - 1  # micro-batches in flight at a later backward
     later = (alive * per_micro + head_saved + held_logits + transient + accumulated) if m > 1 else 0
-    largest = 4 * params // n if kind != "torch" else 4 * _largest_tensor(cfg, lay.tp, stage, lay.pp)
-    adam_temps = 0 if prec.fused_adam else 2 * largest
+    stepped = 4 * params // n if kind != "torch" else 4 * largest
+    adam_temps = 0 if prec.fused_adam else 2 * stepped
     if kind == "torch":
         step_grads = full_grads
     elif kind == "bf16_optimizer":
-        step_grads = 2 * params
+        step_grads = 0
     else:  # stage 1: param grads + the averaged flat partition; stage 2: the partition + its fp32 copy
         step_grads = (full_grads + 4 * params // n) if lay.zero_stage == 1 else (e + 4) * params // n
     phases = {
         "backward": model_states + max(first, later) + bucket + pipe_buffers,
-        "optimizer step": model_states + logits + held_logits + step_grads + adam_temps,
+        "optimizer step": model_states + held_at_step + held_logits + step_grads + adam_temps,
     }
-    if kind == "torch":
-        phases["gradient reduction"] = model_states + logits + held_logits + full_grads + flat_allreduce
+    if reduced:
+        phases["gradient reduction"] = model_states + held_at_step + held_logits + full_grads + flat_allreduce
     act += recompute
     return RankMemory(stage, params, states["weights"], states["gradients"], states["optimizer"],
                       act, buffers, max(phases.values()), phases)
