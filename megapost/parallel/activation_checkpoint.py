@@ -2,7 +2,7 @@
 
 Recomputation re-runs block forwards, and with them the blocks' ``Probe`` modules. The non-reentrant
 ``torch.utils.checkpoint`` takes a ``context_fn`` giving one context for the original forward and one
-for the recompute; the recompute context detaches every probe listener under ``root`` and restores it
+for the recompute; the recompute context silences every probe listener under ``root`` and restores it
 afterwards, so a listener sees each activation exactly once (from the original forward, whose tensors
 are part of the backward graph, so gradient hooks a listener registers on them still fire).
 """
@@ -20,13 +20,18 @@ from torch.utils.checkpoint import checkpoint
 from megapost.model.probe import Probe
 
 
+def _silent(*_args: Any, **_tensors: Any) -> None:
+    """A listener that ignores what it is shown."""
+
+
 @contextmanager
 def probes_silenced(root: nn.Module) -> Iterator[None]:
-    """Detach the listeners of all probes under ``root`` for the duration of the block."""
+    """Replace the listeners of all probes under ``root`` by a silent one for the duration of the block
+    (kept attached, so ``--compile`` recomputes a measured step eagerly, as its forward ran)."""
     probes = [m for m in root.modules() if isinstance(m, Probe) and m.listener is not None]
     listeners = [p.listener for p in probes]
     for p in probes:
-        p.listener = None
+        p.listener = _silent
     try:
         yield
     finally:
