@@ -2,8 +2,8 @@
 
 A compiled block runs only when no probe under it has a listener; a step whose probes listen (a
 collapse_metrics measured step) runs the block's eager forward, so its Python hooks and measurements
-are exactly the eager ones. Activation checkpointing keeps listeners attached (silenced, not removed)
-during recompute, so a measured step recomputes eagerly too and the recompute matches the forward.
+are exactly the eager ones. A checkpointed recompute sees the probes as its forward did (silent
+listeners, see ``activation_checkpoint``), so it reruns the same eager or compiled forward.
 Tensor/sequence-parallel collectives are excluded from the compiled graphs
 (``megapost.parallel.mappings`` wraps them with ``torch.compiler.disable``): each is a clean graph
 break. All blocks share one compiled code object (same ``forward`` code; parameters are graph inputs).
