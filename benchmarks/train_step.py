@@ -56,7 +56,8 @@ def compile_ratio(b: argparse.Namespace) -> None:
     start = time.perf_counter()
     for _ in range(3):  # warm-up; the first compiled steps compile the block
         compiled.train_step(1)
-    print(f"compile warm-up (3 steps) {time.perf_counter() - start:.1f} s")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # all blocks share one graph
+    print(f"compile warm-up (3 steps) {time.perf_counter() - start:.1f} s, {graphs} compiled graph(s)")
     eager.train_step(1)
     t_compiled, t_eager = interleaved(lambda: float(compiled.train_step(1)),
                                       lambda: float(eager.train_step(1)), b.rounds)
