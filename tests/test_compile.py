@@ -44,11 +44,22 @@ def test_compile_matches_eager_with_checkpointing_and_probes(tiny_data, tmp_path
                 assert have[key][field] == value, (key, field)
 
 
+_eager: dict[str, dict[int, float]] = {}
+
+
 @pytest.mark.slow
-def test_compile_tensor_sequence_parallel_matches_single_process(tiny_data, tmp_path) -> None:
-    """TP=2 + SP compiled (collectives as graph breaks) logs the single-process eager losses."""
-    ref, _ = _train(tiny_data, tmp_path / "eager")
-    got, _ = _train(tiny_data, tmp_path / "tp2", nprocs=2, **{"--compile": True, "--sequence-parallel": True,
-                                                              "--tensor-model-parallel-size": 2})
+@pytest.mark.parametrize("layout", [
+    {"--tensor-model-parallel-size": 2, "--sequence-parallel": True},
+    {"--pipeline-model-parallel-size": 2},
+], ids=["tp2-sp", "pp2"])
+def test_compile_parallel_layout_matches_single_process(tiny_data, tmp_path_factory, layout) -> None:
+    """TP=2+SP (collectives as graph breaks) or PP=2 (DeepSpeed pipeline stages) compiled logs the
+    single-process eager losses."""
+    tmp = tmp_path_factory.mktemp("compile")
+    if "ref" not in _eager:
+        _eager["ref"], _ = _train(tiny_data, tmp / "eager")
+    ref = _eager["ref"]
+    got, stdout = _train(tiny_data, tmp / "compiled", nprocs=2, **{"--compile": True, **layout})
+    assert "transformer blocks compiled" in stdout
     assert sorted(ref) == list(range(1, ITERS + 1)) and got.keys() == ref.keys()
     assert list(got.values()) == pytest.approx(list(ref.values()), rel=1e-5)
