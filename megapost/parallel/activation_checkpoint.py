@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from megapost.model.probe import Probe
 
 
-def _silent(*_args: Any, **_tensors: Any) -> None:
+def silent_listener(*_args: Any, **_tensors: Any) -> None:
     """A listener that ignores what it is shown."""
 
 
@@ -31,7 +31,7 @@ def probes_silenced(probes: Sequence[Probe], listened: Sequence[bool]) -> Iterat
     """For the duration of the block, ``probes[i]`` has a silent listener if ``listened[i]``, else none."""
     listeners = [p.listener for p in probes]
     for p, heard in zip(probes, listened, strict=True):
-        p.listener = _silent if heard else None
+        p.listener = silent_listener if heard else None
     try:
         yield
     finally:
