@@ -69,7 +69,7 @@ def build_trainer(b: argparse.Namespace, extra_flags: Sequence[str] = (), plugin
                                       config=build_ds_config(args, {}))
     trainer = Trainer(args, engine, loss_fn, pstate, None, None, plugins, monitor, cfg.flops_per_token(),
                       1.0, device)
-    engine_hooks.install(engine, trainer.before_optimizer_step)
+    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     trainer.batches = PluginBatches(synthetic_batches(cfg.vocab_size, b.micro, b.seq), pipeline=False)
     print(f"model {cfg.num_parameters() / 1e6:.1f}M params, {b.layers}x{b.hidden}, seq {b.seq}, "
           f"batch {b.micro}x{b.accum}, threads {torch.get_num_threads()}")

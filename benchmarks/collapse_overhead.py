@@ -2,7 +2,9 @@
 
 One process, one engine, three variants run in blocks of ``--block`` optimizer steps, rotated round by
 round so machine noise hits all alike: no plugin, the plugin at ``--collapse-interval 1`` and at 100
-(one measured step per block of 100). The plugin writes its TensorBoard scalars, JSONL and heatmap as in
+(one measured step per block of 100), and no plugin with ``--collapse-guard``'s in-memory snapshot
+(``Trainer.snapshot``: parameters and optimizer state copied to host memory) every ``--guard-interval``
+M steps, its only per-step cost. The plugin writes its TensorBoard scalars, JSONL and heatmap as in
 a run. Prints the median block-time ratios against no plugin (targets <= 1.15 and <= 1.01).
 
     python benchmarks/collapse_overhead.py [--layers 4 --hidden 256 --seq 256 --micro 4 --accum 2]
@@ -29,19 +31,31 @@ from collapse_metrics.plugin import CollapseMetricsPlugin
 TARGETS = {1: 1.15, 100: 1.01}
 
 
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return [t for v in tree for t in _tensors(v)] if isinstance(tree, (list, tuple)) else []
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p)
     p.add_argument("--block", type=int, default=100, help="optimizer steps per timed block")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--guard-interval", type=int, default=50, help="M: snapshot every M steps")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--bf16", action="store_true")
     b = p.parse_args()
     if b.threads:
         torch.set_num_threads(b.threads)
     with tempfile.TemporaryDirectory(prefix="collapse-overhead-") as tb_dir:
-        trainer, _, _ = build_trainer(b, ["--plugins", "collapse_metrics"], [CollapseMetricsPlugin], tb_dir)
+        trainer, _, _ = build_trainer(b, ["--plugins", "collapse_metrics", *(["--bf16"] if b.bf16 else [])],
+                                    [CollapseMetricsPlugin], tb_dir)
         plugin = trainer.plugins[0]
-        variants = {"none": None, "interval 1": 1, "interval 100": 100}
+        guard = f"snapshot every {b.guard_interval}"
+        variants = {"none": None, "interval 1": 1, "interval 100": 100, guard: None}
         steps = dict.fromkeys(variants, 0)
         clocks = {"wall": time.perf_counter, "cpu": time.process_time}
         times = {clock: {name: [] for name in variants} for clock in clocks}
@@ -54,6 +68,8 @@ def main() -> None:
             for _ in range(n):
                 steps[name] += 1
                 float(trainer.train_step(steps[name]))
+                if name == guard and steps[name] % b.guard_interval == 0:
+                    trainer.snapshot()
             for clock, fn in clocks.items():
                 times[clock][name].append(fn() - start[clock])
 
@@ -64,18 +80,26 @@ def main() -> None:
                 v.clear()
         names = list(variants)
         for r in range(b.rounds):
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 block(name, b.block)
         plugin.close()
+        snap_times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            snap = trainer.snapshot()
+            snap_times.append(time.perf_counter() - start)
+        mb = sum(t.numel() * t.element_size() for t in _tensors(snap)) / 2**20
+    print(f"one snapshot: {statistics.median(snap_times) * 1e3:.1f} ms for {mb:.1f} MiB on the host, i.e. "
+          f"{statistics.median(snap_times) / b.guard_interval * 1e3:.2f} ms/step at M={b.guard_interval}")
     for clock, t in times.items():
         base = t["none"]
         line = [f"{clock} clock: no plugin {statistics.median(base) / b.block * 1e3:.1f} ms/step"]
         for name, interval in variants.items():
-            if interval is not None:
+            if name != "none":
                 ratio = statistics.median(x / x0 for x, x0 in zip(t[name], base, strict=True))
                 per_step = statistics.median(t[name]) / b.block * 1e3
-                target = TARGETS[interval]
-                line.append(f"{name} {per_step:.1f} ms/step, ratio {ratio:.3f} (target <= {target})")
+                target = f" (target <= {TARGETS[interval]})" if interval is not None else ""
+                line.append(f"{name} {per_step:.1f} ms/step, ratio {ratio:.3f}{target}")
         print(" | ".join(line))
 
 

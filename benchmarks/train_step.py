@@ -1,11 +1,22 @@
-"""megapost's training step vs a bare PyTorch loop of the same model math and optimizer.
+"""megapost's training step vs bare PyTorch loops of the same model math and optimizer.
 
-Both run in this one process on the same synthetic batches, interleaved round by round so machine
-noise hits both alike. Prints the step-time ratio (target <= 1.10) and the model FLOP/s against the
-machine's measured matmul FLOP/s. With ``--compile``: megapost's step with ``--compile`` (regional
-torch.compile of the blocks) vs megapost's eager step, the same way, and the compiled/eager ratio.
+All variants run in this one process on the same synthetic batches, interleaved round by round (the
+order rotates) so machine noise hits them alike; every ratio is the median over rounds of the
+per-round ratio, on the wall clock and on this process's CPU time.
 
-    python benchmarks/train_step.py [--bf16] [--compile] [--layers 4 --hidden 256 --seq 256 --micro 4]
+    python benchmarks/train_step.py                 # fp32: megapost vs a bare fp32 loop
+    python benchmarks/train_step.py --bf16          # bf16: megapost vs a bare loop of the same math,
+                                                    #   and megapost's bf16 vs fp32 step
+    python benchmarks/train_step.py --bf16 --layers 8 --hidden 512 --seq 512 --vocab 32000 --micro 2
+    python benchmarks/train_step.py --compile       # also megapost --compile (regional torch.compile of
+                                                    #   the blocks) vs megapost eager
+
+The bare bf16 loop does what megapost's bf16 does, in plain PyTorch: bf16 weights and activations
+(RMSNorm and the loss in fp32 inside), fp32 master weights stepped by AdamW, and each micro-batch's
+bf16 gradient added into an fp32 accumulator as soon as autograd produces it. A bare autocast loop
+(fp32 weights, bf16 matmuls, fp32 residual stream) is shown as a second reference. On a CPU shared
+with other jobs read the CPU-time line and pass ``--threads 1``: a busy machine makes every
+multi-threaded kernel wait for a descheduled worker thread, which swamps what is being measured.
 """
 
 from __future__ import annotations
@@ -15,91 +26,141 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from bench_common import add_model_args, build_trainer, synthetic_batches
 
-from megapost.model import LlamaModel, lm_loss
+from megapost.model import LlamaModel, ModelConfig, lm_loss
 from megapost.optimizer import build_optimizer
 from megapost.peak_flops import measure_matmul_tflops
 
-
-def bare_step(model, optimizer, batches, accum: int, clip: float, dtype: torch.dtype) -> None:
-    for _ in range(accum):
-        b = next(batches)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = lm_loss(model(b["tokens"]), b["labels"], b["loss_mask"]) / accum
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def interleaved(first: Callable[[], object], second: Callable[[], object], rounds: int,
-                ) -> tuple[list[float], list[float]]:
-    """Step times of ``first`` and ``second``, alternating which goes first each round."""
-    times: tuple[list[float], list[float]] = ([], [])
+class BareLoop:
+    """A plain PyTorch training step of ``LlamaModel``: ``mode`` is fp32, autocast (fp32 weights,
+    bf16 autocast) or bf16 (bf16 weights, fp32 master weights and fp32 gradient accumulation)."""
+
+    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int) -> None:
+        self.mode, self.accum, self.clip = mode, accum, args.clip_grad
+        self.model = LlamaModel(cfg)
+        self.batches: Iterator[dict[str, torch.Tensor]] = synthetic_batches(cfg.vocab_size, micro,
+                                                                            cfg.seq_length)
+        if mode != "bf16":
+            self.params = list(self.model.parameters())
+            self.optimizer = build_optimizer(self.model, args)
+            return
+        master = LlamaModel(cfg)  # same initial weights, kept in fp32 and stepped by the optimizer
+        self.master = list(master.parameters())
+        self.model.to(torch.bfloat16)
+        self.params = list(self.model.parameters())
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = torch.zeros_like(m)
+            p.register_post_accumulate_grad_hook(self._accumulator(m))
+        self.optimizer = build_optimizer(master, args)
+
+    @staticmethod
+    def _accumulator(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def add_to_fp32(p: torch.Tensor) -> None:
+            assert master.grad is not None and p.grad is not None
+            master.grad.add_(p.grad)
+            p.grad = None
+
+        return add_to_fp32
+
+    def step(self) -> None:
+        for _ in range(self.accum):
+            b = next(self.batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+                loss = lm_loss(self.model(b["tokens"]), b["labels"], b["loss_mask"]) / self.accum
+            loss.backward()
+        if self.mode != "bf16":
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+        self.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+            torch._foreach_zero_([m.grad for m in self.master])
+
+
+def run_rounds(variants: dict[str, Callable[[], Any]], rounds: int, peak_dtype: torch.dtype,
+               device: torch.device) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
+    """Time each variant once per round, rotating the order; also the matmul peak once per round."""
+    times: dict[str, dict[str, list[float]]] = {c: {n: [] for n in variants} for c in CLOCKS}
+    peaks = []
+    names = list(variants)
+    for fn in variants.values():  # warm-up: allocations, compilation, first optimizer step
+        fn()
+        fn()
     for r in range(rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            start = time.perf_counter()
-            (first, second)[i]()
-            times[i].append(time.perf_counter() - start)
-    return times
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = {c: clock() for c, clock in CLOCKS.items()}
+            variants[name]()
+            for c, clock in CLOCKS.items():
+                times[c][name].append(clock() - start[c])
+        peaks.append(measure_matmul_tflops(peak_dtype, device))
+    return times, peaks
 
 
-def compile_ratio(b: argparse.Namespace) -> None:
-    """megapost --compile vs megapost eager, same flags, one process, interleaved."""
-    flags = ["--bf16"] if b.bf16 else []
-    eager, _, _ = build_trainer(b, flags)
-    compiled, _, _ = build_trainer(b, [*flags, "--compile"])
-    start = time.perf_counter()
-    for _ in range(3):  # warm-up; the first compiled steps compile the block
-        compiled.train_step(1)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # all blocks share one graph
-    print(f"compile warm-up (3 steps) {time.perf_counter() - start:.1f} s, {graphs} compiled graph(s)")
-    eager.train_step(1)
-    t_compiled, t_eager = interleaved(lambda: float(compiled.train_step(1)),
-                                      lambda: float(eager.train_step(1)), b.rounds)
-    tc, te = statistics.median(t_compiled), statistics.median(t_eager)
-    print(f"precision {'bf16' if b.bf16 else 'fp32'}")
-    print(f"compiled step {tc * 1e3:.1f} ms | eager step {te * 1e3:.1f} ms | "
-          f"ratio compiled/eager {tc / te:.3f} (speedup {te / tc:.2f}x)")
+def ratio(t: dict[str, list[float]], a: str, b: str) -> str:
+    """Median of the per-round ratios, with their range (the noise)."""
+    r = [x / y for x, y in zip(t[a], t[b], strict=True)]
+    return f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p)
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--compile", action="store_true", help="compiled vs eager megapost step instead")
+    p.add_argument("--compile", action="store_true", help="also time megapost --compile vs eager")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b = p.parse_args()
-    if b.compile:
-        return compile_ratio(b)
-    trainer, cfg, args = build_trainer(b, ["--bf16"] if b.bf16 else [])
-    device = trainer.device
-
+    if b.threads:
+        torch.set_num_threads(b.threads)
+    precision = ["--bf16"] if b.bf16 else []
+    trainer, cfg, args = build_trainer(b, precision)
+    variants: dict[str, Callable[[], Any]] = {"megapost": lambda: float(trainer.train_step(1))}
+    pairs: list[tuple[str, str, str]] = []  # (numerator, denominator, what and target)
+    if b.bf16:
+        bare = BareLoop(cfg, args, "bf16", b.micro, b.accum)
+        autocast = BareLoop(cfg, args, "autocast", b.micro, b.accum)
+        fp32, _, _ = build_trainer(b, [])
+        variants.update({"bare bf16": bare.step, "bare autocast": autocast.step,
+                         "megapost fp32": lambda: float(fp32.train_step(1))})
+        pairs += [("megapost", "bare bf16", "bf16 megapost / bare bf16 (target <= 1.05)"),
+                  ("megapost", "bare autocast", "bf16 megapost / bare autocast"),
+                  ("megapost fp32", "megapost", "megapost fp32 / bf16 = bf16 speedup (target >= 2.0)"),
+                  ("bare autocast", "bare bf16", "bare autocast / bare bf16")]
+    else:
+        bare = BareLoop(cfg, args, "fp32", b.micro, b.accum)
+        variants["bare fp32"] = bare.step
+        pairs.append(("megapost", "bare fp32", "fp32 megapost / bare fp32 (target <= 1.10)"))
+    if b.compile:  # warm-up (run_rounds) compiles; all blocks share one graph
+        compiled, _, _ = build_trainer(b, [*precision, "--compile"])
+        variants["megapost compiled"] = lambda: float(compiled.train_step(1))
+        pairs.append(("megapost compiled", "megapost", "megapost --compile / eager"))
     dtype = torch.bfloat16 if b.bf16 else torch.float32
-    bare = LlamaModel(cfg)
-    bare_opt = build_optimizer(bare, args)
-    bare_batches = synthetic_batches(cfg.vocab_size, b.micro, b.seq)
+    times, peaks = run_rounds(variants, b.rounds, dtype, trainer.device)
 
-    def bare_once() -> None:
-        bare_step(bare, bare_opt, bare_batches, b.accum, args.clip_grad, dtype)
-
-    for _ in range(2):  # warm-up
-        trainer.train_step(1)
-        bare_once()
-    ours, theirs = interleaved(lambda: float(trainer.train_step(1)), bare_once, b.rounds)
-    t_ours, t_bare = statistics.median(ours), statistics.median(theirs)
     tokens = b.micro * b.accum * b.seq
+    print(f"precision {'bf16' if b.bf16 else 'fp32'} | threads {torch.get_num_threads()} | "
+          f"{b.rounds} rounds, medians")
+    for clock, t in times.items():
+        medians = " | ".join(f"{n} {statistics.median(v) * 1e3:.1f} ms" for n, v in t.items())
+        print(f"{clock} clock: {medians}")
+    for num, den, what in pairs:
+        print(f"{what}: wall {ratio(times['wall'], num, den)} | cpu {ratio(times['cpu'], num, den)}")
+    t_ours = statistics.median(times["wall"]["megapost"])
     model_tflops = tokens * cfg.flops_per_token() / t_ours / 1e12
-    peak = measure_matmul_tflops(dtype, device)
-    print(f"precision {'bf16' if b.bf16 else 'fp32'}")
-    print(f"megapost step {t_ours * 1e3:.1f} ms | bare PyTorch step {t_bare * 1e3:.1f} ms | "
-          f"ratio {t_ours / t_bare:.3f} (target <= 1.10)")
-    print(f"model {model_tflops:.3f} TFLOP/s vs measured matmul peak {peak:.3f} TFLOP/s | "
-          f"ratio {model_tflops / peak:.3f}")
+    peak = statistics.median(peaks)
+    print(f"megapost model {model_tflops:.3f} TFLOP/s vs measured {dtype} matmul peak {peak:.3f} TFLOP/s | "
+          f"fraction {model_tflops / peak:.3f}")
 
 
 if __name__ == "__main__":

@@ -211,14 +211,19 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
     return {a.dest for a in parser._actions if typed.intersection(a.option_strings)}
 
 
-def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argparse.Namespace:
-    parser = build_parser(plugin_classes)
+def parse_with_preset(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse, then fill every flag the user did not type from ``--preset`` (typed flags win)."""
     args = parser.parse_args(list(argv))
     args.explicit = explicit_dests(parser, argv)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             if key not in args.explicit:
                 setattr(args, key, value)
+    return args
+
+
+def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argparse.Namespace:
+    args = parse_with_preset(build_parser(plugin_classes), argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     from .megatron_flags import apply_megatron_arguments

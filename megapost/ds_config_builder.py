@@ -88,4 +88,10 @@ def build_ds_config(args: argparse.Namespace, user: dict[str, Any]) -> dict[str,
         zero["stage"] = args.zero_stage = max(1, args.zero_stage)
         if zero["stage"] == 1:
             config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+            # Add each bf16 gradient into the fp32 accumulator as autograd produces it and free it,
+            # instead of zeroing, accumulating and copying every bf16 gradient once per micro-batch.
+            config["bf16"].setdefault("immediate_grad_update", True)
+        # DeepSpeed would all-reduce the fp32-accumulated gradients in bf16 (its default for bf16),
+        # rounding them to 8 bits of mantissa every step; reduce them in fp32, as Megatron does.
+        config.setdefault("communication_data_type", "fp32")
     return config

@@ -1,16 +1,20 @@
-"""The two seams megapost adds to a DeepSpeed engine: a callback just before the optimizer step
-(gradients reduced, not yet applied) and a recorded global grad norm on the fp32 path."""
+"""The seams megapost adds to a DeepSpeed engine: a callback just before the optimizer step
+(gradients reduced, not yet applied), a recorded global grad norm on the fp32 path, and no gradient
+"all-reduce" over a data-parallel group of one rank."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.utils import clip_grad_norm_
 
 
-def install(engine: Any, before_step: Callable[[], None]) -> None:
-    """Wrap ``engine._take_model_step`` (shared by DeepSpeed's plain and pipeline engines)."""
+def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None) -> None:
+    """Wrap ``engine._take_model_step`` (shared by DeepSpeed's plain and pipeline engines); with
+    ``dp_size`` 1, skip the engine's data-parallel gradient reduction (see ``skip_single_rank_reduction``)."""
     take_step = engine._take_model_step
 
     def take_model_step(lr_kwargs: Any = None) -> None:
@@ -20,9 +24,25 @@ def install(engine: Any, before_step: Callable[[], None]) -> None:
     engine._take_model_step = take_model_step
 
     def clip_fp32_gradients() -> None:
-        # DeepSpeed computes but drops this norm on the fp32/ZeRO-0 path; keep it for logging.
+        # DeepSpeed computes but drops this norm on the fp32/ZeRO-0 path; keep it for logging (as a
+        # tensor where it is one: converting it here would wait for the device every step).
         norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
                                mpu=engine.mpu)
-        engine._global_grad_norm = float(norm)
+        engine._global_grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else float(norm)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+    if dp_size == 1:
+        skip_single_rank_reduction(engine)
+
+
+def skip_single_rank_reduction(engine: Any) -> bool:
+    """With one data-parallel rank, DeepSpeed's fallback reduction of the plain and bf16 optimizers
+    still flattens every gradient into one buffer, all-reduces it over the one rank and copies it back
+    (about a tenth of a bf16 step on CPU); turn it off there. ZeRO's own optimizers move gradients into
+    their partitions in that reduction, so they keep it. Returns whether it was turned off."""
+    if engine.zero_optimization() and not isinstance(engine.optimizer, BF16_Optimizer):
+        return False
+    engine.enable_backward_allreduce = False
+    if hasattr(engine, "pipeline_enable_backward_allreduce"):
+        engine.pipeline_enable_backward_allreduce = False
+    return True

@@ -61,6 +61,10 @@ class Plugin:
     def on_step_end(self, step: int, loss: float) -> None:
         """A wanted step finished (detach listeners, reduce across shards, write logs)."""
 
+    def after_iteration(self, iteration: int, trainer: Any) -> None:
+        """Every optimizer step, after logging/eval/save; ``trainer.snapshot()`` / ``trainer.restore(s)``
+        (megapost.training.Trainer) return to an earlier state in memory."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -189,7 +189,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
                       model_cfg.flops_per_token(), peak.tflops, device)
     trainer.memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
     interrupts.PROGRESS.state = trainer.state
-    engine_hooks.install(engine, trainer.before_optimizer_step)
+    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     if args.load:
         trainer.load()
     elif args.load_hf:

@@ -8,6 +8,7 @@ fails as a whole, within ``--distributed-timeout-minutes``, instead of hanging.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 from collections.abc import Iterator
@@ -43,6 +44,17 @@ def injected_failure() -> tuple[int, int] | None:
     except ValueError:
         raise ValueError(f"MEGAPOST_FAIL_RANK={spec!r}: expected <global rank>:<iteration>") from None
     return rank, iteration
+
+
+def _to_host(tree: Any) -> Any:
+    """A deep copy with every tensor cloned to CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_host(v) for v in tree)
+    return copy.deepcopy(tree)
 
 
 class PluginBatches:
@@ -92,13 +104,18 @@ class Trainer:
             value /= self.pstate.dp_size
         return value
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
         losses = []
         for _ in range(self.args.grad_accum_steps):
             batch = next(batches)
-            tokens = batch["tokens"].to(self.device, non_blocking=True)
-            logits = self.engine(tokens)
-            loss = self.loss_fn(logits, batch["labels"].to(self.device), batch["loss_mask"].to(self.device))
+            tokens, labels, mask = (self._to_device(batch[k]) for k in ("tokens", "labels", "loss_mask"))
+            loss = self.loss_fn(self.engine(tokens), labels, mask)
             if backward:
                 self.engine.backward(loss)
                 self.engine.step()
@@ -253,6 +270,8 @@ class Trainer:
                 self._validate(history)
             if args.save and args.save_interval and st.iteration % args.save_interval == 0:
                 self.save()
+            for plugin in self.plugins:  # may call snapshot() / restore() below
+                plugin.after_iteration(st.iteration, self)
             exit_reason = self.exits.check(st.iteration)
             if exit_reason:
                 break
@@ -279,6 +298,31 @@ class Trainer:
                              self.state.iteration, tokens)
         self.monitor.line(f" validation at iteration {self.state.iteration} | lm loss {loss:.4f} | "
                           f"ppl {math.exp(min(loss, 50.0)):.2f}")
+
+    # ---- in-memory rollback, for plugins (Plugin.after_iteration; e.g. collapse_metrics' guard) ---------
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's state to continue exactly from here (ZeRO-0 fp32: module and optimizer state_dict
+        copied to host memory), the lr schedule, RNG and data position."""
+        eng = self.engine
+        return {"module": _to_host(eng.module.state_dict()),
+                "optimizer": _to_host(eng.optimizer.state_dict()),
+                "scheduler": eng.lr_scheduler.state_dict(), "rng": checkpoint_io.rng_state(),
+                "iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
+                "global_steps": eng.global_steps, "global_samples": eng.global_samples}
+
+    def restore(self, snap: dict[str, Any], skip_data: bool = False) -> None:
+        """Return to ``snap``; ``skip_data`` keeps the data position (the window since is not retrained)."""
+        self._log(force=True)
+        eng = self.engine
+        eng.module.load_state_dict(snap["module"])
+        eng.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))  # it keeps (and updates) the tensors
+        eng.lr_scheduler.load_state_dict(snap["scheduler"])
+        checkpoint_io.set_rng_state(snap["rng"])
+        eng.global_steps, eng.global_samples = snap["global_steps"], snap["global_samples"]
+        self.state.iteration = snap["iteration"]
+        if not skip_data:
+            self.state.consumed_samples = snap["consumed_samples"]
+        self.batches = PluginBatches(self.train_iter_fn(self.state.consumed_samples), self.pipeline)
 
     def save(self) -> None:
         pending = [t for _, loss, norm, _ in self.state.losses for t in (loss, norm)]

@@ -23,7 +23,7 @@ LAYER_KEYS = {"step", "layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "r
               "rms_factor_mean", "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm",
               "grad_norm_layer", "grad_norm_norms"}
 STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
-             "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed"}
+             "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed", "early_warning"}
 
 
 def train(tmp_path, steps, *argv, writer=None):

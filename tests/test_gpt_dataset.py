@@ -47,20 +47,25 @@ def test_samples_tile_the_token_stream_with_one_token_overlap(indexed: IndexedDa
         ds[len(ds)]
 
 
-def test_multiple_epochs_shuffle_each_epoch_and_keep_the_last_one_apart(indexed: IndexedDataset) -> None:
+def test_epochs_shuffle_jointly_and_a_short_last_epoch_apart(indexed: IndexedDataset) -> None:
+    """megatron-core's rule: documents of all epochs are shuffled together, except a last epoch
+    holding < 80% of an epoch's samples, shuffled on its own (tests/test_megatron_order.py checks
+    the exact order against megatron-core itself)."""
     doc_ids = np.arange(0, 40)
     one_epoch = GPTDataset(indexed, doc_ids, None, SEQ, seed=1).num_samples
-    ds = GPTDataset(indexed, doc_ids, 2 * one_epoch + 3, SEQ, seed=1)
+    ds = GPTDataset(indexed, doc_ids, 2 * one_epoch + 3, SEQ, seed=1)  # the third epoch is short
     assert ds.num_epochs == 3 and len(ds) == 2 * one_epoch + 3
-    epochs = ds.document_index.reshape(3, 40)
-    for epoch in epochs:
-        assert sorted(epoch.tolist()) == doc_ids.tolist()
-    assert not np.array_equal(epochs[0], epochs[1])
+    head, last = ds.document_index[:80], ds.document_index[80:]
+    assert sorted(head.tolist()) == sorted(2 * doc_ids.tolist()) and sorted(last.tolist()) == doc_ids.tolist()
+    assert sorted(head[:40].tolist()) != doc_ids.tolist()  # epochs 1 and 2 mixed, not one after the other
     stream = _stream(indexed, ds.document_index)
     for i in (0, one_epoch, len(ds.sample_index) - 2):
         assert np.array_equal(ds.sample_tokens(i), stream[i * SEQ : i * SEQ + SEQ + 1])
     first_two = (2 * ds.tokens_per_epoch - 1) // SEQ
     assert sorted(ds.shuffle_index[:first_two].tolist()) == list(range(first_two))
+    long_last = GPTDataset(indexed, doc_ids, 3 * one_epoch, SEQ, seed=1)  # a full third epoch: joint
+    assert sorted(long_last.document_index[:40].tolist()) != doc_ids.tolist()
+    assert sorted(long_last.shuffle_index[:first_two].tolist()) != list(range(first_two))
 
 
 def test_order_is_a_function_of_the_seed(indexed: IndexedDataset) -> None:

@@ -34,3 +34,16 @@ def test_trainer_layout_matches_single_rank(tiny_data, tmp_path_factory, tp: int
     assert len(ref_loss) == 5 and loss.keys() == ref_loss.keys() and norm.keys() == ref_norm.keys()
     assert list(loss.values()) == pytest.approx(list(ref_loss.values()), rel=1e-5)
     assert list(norm.values()) == pytest.approx(list(ref_norm.values()), rel=1e-5)
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 2), pytest.param(1, 2, 1, marks=pytest.mark.slow)])
+def test_bf16_layout_matches_single_rank(tiny_data, tmp_path_factory, tp: int, pp: int, dp: int) -> None:
+    """bf16 (fp32 master weights, fp32 accumulation, fp32 gradient reduction; the one-rank data-parallel
+    reduction skipped) trains like one bf16 process: losses and grad norms within bf16 rounding."""
+    tmp = tmp_path_factory.mktemp("trainer-bf16")
+    ref_loss, ref_norm = _train(tiny_data, tmp, 1, **{"--bf16": True})
+    loss, norm = _train(tiny_data, tmp, tp * pp * dp, **{"--bf16": True, "--tensor-model-parallel-size": tp,
+                                                        "--pipeline-model-parallel-size": pp})
+    assert len(ref_loss) == 5 and loss.keys() == ref_loss.keys()
+    assert list(loss.values()) == pytest.approx(list(ref_loss.values()), rel=2e-3)
+    assert list(norm.values()) == pytest.approx(list(ref_norm.values()), rel=2e-2)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
-STEPS = 2  # per segment
+STEPS = 2  # per segment; the last segment continues for LAST_STEPS (the issue's 10-step criterion)
+LAST_STEPS = 10
 
 
 def _flags(data, **overrides) -> list[str]:
@@ -33,15 +34,17 @@ def _layout(tp: int, pp: int, dp: int, zero: int = 1, sp: bool = False, bf16: bo
 
 
 def _chain(data, tmp: Path, layouts: list[dict], bf16: bool = False) -> tuple[list[float], list[float]]:
-    """(chained losses, uninterrupted losses) over len(layouts) * STEPS steps."""
-    total = STEPS * len(layouts)
+    """(chained losses, uninterrupted losses): STEPS per segment, LAST_STEPS at the last layout."""
+    ends = [STEPS * (k + 1) for k in range(len(layouts) - 1)]
+    ends.append((ends[-1] if ends else 0) + LAST_STEPS)
+    total = ends[-1]
     common = {"--lr-decay-iters": total, "--save": tmp / "ckpt", "--bf16": bf16}
     chained: list[float] = []
     for k, layout in enumerate(layouts):
         layout = dict(layout)
         world = layout.pop("_world")
         tb = tmp / f"seg{k}"
-        flags = _flags(data, **{**common, **layout, "--train-iters": STEPS * (k + 1), "--tensorboard-dir": tb,
+        flags = _flags(data, **{**common, **layout, "--train-iters": ends[k], "--tensorboard-dir": tb,
                                 "--load": tmp / "ckpt" if k else None})
         out = pretrain(flags, nprocs=world, timeout=900)
         if k:

@@ -11,16 +11,19 @@ from launch_utils import pretrain, read_scalars, scalar_tags, tiny_model_flags
 from megapost.arguments import parse_args
 
 
-def test_resume_continues_exactly(tiny_data, tmp_path) -> None:
-    """2N steps in one run == N steps, save, resume, N more (fp32 CPU: bitwise-equal losses)."""
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_resume_continues_exactly(tiny_data, tmp_path, precision) -> None:
+    """2N steps in one run == N steps, save, resume, N more (CPU: bitwise-equal losses; in bf16 the
+    fp32 master weights, optimizer state and fp32 gradient accumulators resume exactly)."""
     full, half = tmp_path / "full", tmp_path / "half"
-    pretrain(tiny_model_flags(tiny_data, **{"--train-iters": 6, "--tensorboard-dir": full / "tb"}))
+    pretrain([*tiny_model_flags(tiny_data, **{"--train-iters": 6, "--tensorboard-dir": full / "tb"}),
+              *precision])
     first = tiny_model_flags(tiny_data, **{"--train-iters": 3, "--lr-decay-iters": 6,
                                            "--tensorboard-dir": half / "tb1", "--save": half / "ckpt"})
-    pretrain(first)
+    pretrain([*first, *precision])
     assert (half / "ckpt" / "latest").read_text().strip() == "iter_0000003"
-    second = tiny_model_flags(tiny_data, **{"--train-iters": 6, "--tensorboard-dir": half / "tb2",
-                                            "--load": half / "ckpt"})
+    second = [*tiny_model_flags(tiny_data, **{"--train-iters": 6, "--tensorboard-dir": half / "tb2",
+                                              "--load": half / "ckpt"}), *precision]
     out = pretrain(second)
     assert "resumed from" in out.stdout
     expected = read_scalars(full / "tb", "train/lm_loss")

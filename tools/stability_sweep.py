@@ -36,7 +36,8 @@ from megapost.data import SentencePieceTokenizer
 from megapost.utils.atomic import atomic_write_text
 
 FIELDS = ("norm", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed", "best_gap",
-          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "seconds")
+          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "warning_step",
+          "seconds")
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,19 @@ def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
     return {"collapsed": len(collapsed), "flagged": len(flagged), "recall": len(hits) / len(collapsed)
             if collapsed else math.nan, "trained": len(trained), "trained_flagged": len(false),
             "precision": len([r for r in flagged if r["outcome"] == "collapsed"]) / len(flagged)
-            if flagged else math.nan, "alarm_minus_transition": lags}
+            if flagged else math.nan, "alarm_minus_transition": lags, **warning_scores(results)}
+
+
+def warning_scores(results: list[dict[str, object]]) -> dict[str, object]:
+    """The early warning (Post-Norm runs): its lead before the transition on collapsed runs, and the
+    runs that warned without collapsing within the run."""
+    post = [r for r in results if r["norm"] == "post"]
+    leads = [r["transition_step"] - r["warning_step"] for r in post
+             if r["outcome"] == "collapsed" and r.get("warning_step") is not None]
+    return {"warning_lead_before_transition": leads,
+            "warned_not_collapsed": [f"{r['norm']}_L{r['depth']}_lr{r['lr']:g}_w{r['warmup']}_{r['outcome']}"
+                                     for r in post if r["outcome"] != "collapsed" and r.get("warning_step")
+                                     is not None]}
 
 
 OUTCOME_COLOURS = {"collapsed": "tab:red", "trained": "tab:green", "plateau": "tab:orange"}

@@ -12,9 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from megapost.arguments import ConfigError, build_parser, explicit_dests
+from megapost.arguments import ConfigError, build_parser, parse_with_preset
 from megapost.model import ModelConfig
-from megapost.presets import PRESETS
 
 from . import precision_from_ds_config
 from .counts import parameter_counts
@@ -24,6 +23,8 @@ GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
 
+
+DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
 
 def _parser() -> argparse.ArgumentParser:
     p = build_parser()
@@ -35,8 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-margin", type=float, default=0.10,
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
-    g.add_argument("--vocab-size", type=int, default=32000,
-                   help="tokenizer vocabulary (padded as the trainer does)")
     g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
     g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
@@ -46,13 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    args.explicit = explicit_dests(parser, argv)
-    if args.preset:
-        for key, value in PRESETS[args.preset].items():
-            if key not in args.explicit:
-                setattr(args, key, value)
+    args = parse_with_preset(_parser(), argv)
     if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
     return args
@@ -63,7 +56,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     from megapost.pretrain import model_config_from_args
 
     try:
-        return model_config_from_args(args, args.vocab_size)
+        return model_config_from_args(args, args.vocab_size or DEFAULT_VOCAB)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

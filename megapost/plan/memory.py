@@ -25,10 +25,9 @@ Ts = T/t under sequence parallelism, else T), counted from what autograd saves i
 (fused SDPA saves q, k, v, out and the fp32 log-sum-exp, never the s x s scores; RoPE saves only its
 tables; RMSNorm runs in fp32 and saves its fp32 input; residual adds save nothing):
 
-  per sublayer: RMSNorm in fp32 8*Ts*h + 4*Ts on CPU (composite ``F.rms_norm``: its fp32 input, the
-  fp32 normalised x, 1/rms; + 4h for the gain's fp32 copy under bf16), 4*Ts*h + 4*Ts with torch's
-  fused CUDA kernel, e*Ts*h + 4*Ts with apex (``norm_bytes``), the sublayer's full-sequence input
-  e*T*h (under SP the all-gathered copy the column-parallel linears keep);
+  per sublayer: RMSNorm 8*Ts*h + 4*Ts on CPU (composite ``F.rms_norm``: its fp32 input, the fp32
+  normalised x, 1/rms), e*Ts*h + 4*Ts with torch's fused CUDA kernel or apex (``norm_bytes``), the
+  sublayer's full-sequence input e*T*h (under SP the all-gathered copy the column-parallel linears keep);
   attention: e*T*(2h + 2kv)/t (q, k after RoPE, v, SDPA's output, which W_O reads as a view)
   + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head;
   SwiGLU: 4 e*T*f/t (W_1 and W_3 outputs, SiLU output, their product).
@@ -127,12 +126,11 @@ NORM_KERNELS = ("composite", "fused", "apex")
 
 
 def norm_bytes(tokens: int, h: int, bf16: bool, kernel: str = "composite") -> int:
-    """What megapost's RMSNorm saves: ``F.rms_norm`` on an fp32 copy of its input is composite on CPU
-    (the fp32 input, the fp32 normalised x, 1/rms) and torch's fused kernel on CUDA (fp32 input, 1/rms);
-    apex's FusedRMSNorm keeps the input in its own dtype and 1/rms. Under bf16 the gain's fp32 copy."""
-    gain = 4 * h if bf16 and kernel != "apex" else 0
-    per_token = {"composite": 8 * h, "fused": 4 * h, "apex": (2 if bf16 else 4) * h}[kernel]
-    return per_token * tokens + 4 * tokens + gain
+    """What megapost's RMSNorm saves (``F.rms_norm`` on the input's own dtype): on CPU the composite
+    kernel upcasts internally and keeps the fp32 input and the fp32 normalised x; torch's fused CUDA
+    kernel and apex's FusedRMSNorm keep the input in its own dtype; all keep fp32 1/rms per token."""
+    per_token = {"composite": 8 * h, "fused": (2 if bf16 else 4) * h, "apex": (2 if bf16 else 4) * h}[kernel]
+    return per_token * tokens + 4 * tokens
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,

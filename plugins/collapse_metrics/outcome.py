@@ -9,6 +9,7 @@ loss and t_sim(X^H) averaged over the last ``window`` measured steps,
 Transition step of a collapsed run: the first measured step with t_sim(X^H) >= 0.9 from which on at
 least 90% of the measured steps keep t_sim(X^H) >= 0.9 (brief wobbles neither start nor end it).
 Delayed: collapsed, and the trailing-mean loss before the transition fell >= 0.5 nats below L.
+The early warning (``early_warning.py``) is replayed on the deepest layer's residual norm, Post-Norm only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .early_warning import DEFAULT_FACTOR, first_warning
 from .figures import load_collapse_jsonl
 from .state import CollapseState, StateConfig, grad_ratio
 
@@ -30,6 +32,8 @@ class StepRow:
     tsim_head: float | None
     ratio: float | None
     flagged: bool | None  # the JSONL's own "collapsed" field when present
+    resid_deep: float | None = None  # deepest layer's residual norm (ffn sublayer)
+    post_norm: bool = True
 
 
 def read_run(path: str | Path) -> list[StepRow]:
@@ -50,8 +54,14 @@ def read_run(path: str | Path) -> list[StepRow]:
                                                                                             strict=True)])
 
     collapsed = run.step["collapsed"]
+    resid = run.layer["ffn"]["resid_norm"][:, -1] if "ffn" in run.layer and len(run.layers) else None
+    post = run.norm_label == "Post-Norm"
+
+    def deep(step: int) -> float | None:
+        return None if resid is None or step not in at else value(resid[at[step]])
+
     return [StepRow(int(s), value(run.step["loss"][i]), value(run.step["t_sim_head"][i]), ratio(int(s)),
-                    None if math.isnan(collapsed[i]) else bool(collapsed[i]))
+                    None if math.isnan(collapsed[i]) else bool(collapsed[i]), deep(int(s)), post)
             for i, s in enumerate(run.steps)]
 
 
@@ -71,10 +81,11 @@ class Outcome:
     final_grad_ratio: float
     alarm_step: int | None  # first step the state alarm fires (replayed on the records)
     alarm_final: bool  # the alarm's state at the last measured step
+    warning_step: int | None = None  # first early warning (replayed; Post-Norm runs only)
 
 
 def summarize(rows: list[StepRow], freq_loss: float, window: int = 5,
-              config: StateConfig | None = None) -> Outcome:
+              config: StateConfig | None = None, warning_factor: float = DEFAULT_FACTOR) -> Outcome:
     config = config or StateConfig()
     losses = [r.loss for r in rows]
     trailing = [_mean(losses[max(0, i - window + 1):i + 1]) for i in range(len(rows))]
@@ -103,5 +114,7 @@ def summarize(rows: list[StepRow], freq_loss: float, window: int = 5,
             alarm_final = flagged
     ratio = next((r.ratio for r in reversed(rows) if r.ratio is not None), math.nan)
     best = min((t for t in trailing if math.isfinite(t)), default=math.nan)
+    post = bool(rows) and rows[0].post_norm
+    warning = first_warning([(r.step, r.resid_deep) for r in rows], warning_factor) if post else None
     return Outcome(outcome, transition, delayed, best - freq_loss, final_gap, final_tsim, ratio,
-                   alarm_step, alarm_final)
+                   alarm_step, alarm_final, warning)

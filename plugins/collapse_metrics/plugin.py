@@ -28,8 +28,10 @@ from megapost.model import set_listener
 from megapost.plugins import Plugin, PluginContext
 
 from .corpus import train_split_frequency_loss
+from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm
 from .frequency import RunningFrequencyLoss
 from .grads import LayerParameters, loss_scale
+from .guard import Guard, add_guard_arguments, check_guard_args
 from .recorder import Recorder
 from .reduce import reduce_buffer, sum_over_group
 from .state import CollapseState, StateConfig, grad_ratio
@@ -94,6 +96,12 @@ class CollapseMetricsPlugin(Plugin):
                        help="collapsed-state alarm: t_sim(X^H) at least this ...")
         g.add_argument("--collapse-state-grad-ratio", type=float, default=state.grad_ratio_max,
                        help="... and first/last-layer parameter-gradient ratio at most this (state.py)")
+        g.add_argument("--collapse-early-warning", action="store_true",
+                       help="warn when the deepest layer's residual norm reaches a factor times its running "
+                       "minimum (Post-Norm only; early_warning.py)")
+        g.add_argument("--collapse-early-warning-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
+                       help="growth factor of the early warning")
+        add_guard_arguments(g)
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
@@ -110,6 +118,14 @@ class CollapseMetricsPlugin(Plugin):
             min_tsim_rise=args.collapse_transition_min_tsim_rise,
             min_loss_rise=args.collapse_transition_min_loss_rise, warmup=args.collapse_transition_warmup))
         self.state = CollapseState(StateConfig(args.collapse_state_tsim, args.collapse_state_grad_ratio))
+        self.warning = (EarlyWarning(args.collapse_early_warning_factor)
+                        if args.collapse_early_warning and args.norm_position == "post" else None)
+        if args.collapse_early_warning and self.warning is None and ps.is_logging_rank:
+            print("[collapse] early warning off: under Pre-Norm the residual stream grows by design "
+                  "(the warning reads the Post-Norm mechanism)", flush=True)
+        check_guard_args(args)
+        self.guard = Guard(args) if args.collapse_guard else None
+        self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration
         self.running = RunningFrequencyLoss(cfg.vocab_size)
         self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
         self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
@@ -185,6 +201,11 @@ class CollapseMetricsPlugin(Plugin):
         event = self.detector.update(step, tsim_head, loss) if step > 0 else None
         ratio = grad_ratio(records)
         collapsed, alarm = self.state.update(step, tsim_head, ratio)
+        warned, warn_line = (None, None) if self.warning is None else \
+            self.warning.update(step, deepest_resid_norm(records))
+        if self.guard is not None and (alarm if self.guard.on == "alarm" else warn_line) and \
+                (collapsed if self.guard.on == "alarm" else warned):
+            self.guard_event = (step, "COLLAPSED" if self.guard.on == "alarm" else "early warning")
         has_labels = step_freq.num_tokens > 0
         step_record = {
             "loss": loss,
@@ -194,19 +215,38 @@ class CollapseMetricsPlugin(Plugin):
             "freq_loss_corpus": self.freq_corpus,
             "t_sim_embed": site_tsim(reduced, "embed"), "t_sim_head": tsim_head,
             "transition": event is not None, "grad_ratio": ratio, "collapsed": collapsed,
+            "early_warning": warned,
         }
         self.last = {"step": step, "layers": records, "step_record": step_record}
         if self.writers is not None:
             self.writers.write(step, records, step_record)
-            for line in (event.line() if event is not None else None, alarm):
+            for line in (event.line() if event is not None else None, alarm, warn_line):
                 if line is not None:
                     print(line, flush=True)
                     self.writers.alert(step, line)
 
+    def after_iteration(self, iteration: int, trainer: Any) -> None:
+        if self.guard is None:
+            return
+        event = self.guard_event[1] if self.guard_event and self.guard_event[0] == iteration else None
+        self.guard_event = None
+        healthy = not self.state.collapsed and not (self.warning is not None and self.warning.warned_at)
+        record = self.guard.after_iteration(iteration, trainer, event, healthy,
+                                            (self.state_dict, self.load_state_dict))
+        if record is not None and self.writers is not None:
+            print(record["line"], flush=True)
+            self.writers.alert(iteration, record["line"])
+            self.writers.guard(iteration, record)
+
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"running": self.running.state_dict(), "detector": self.detector.state_dict(),
-                "state": self.state.state_dict()}
+        state = {"running": self.running.state_dict(), "detector": self.detector.state_dict(),
+                 "state": self.state.state_dict()}
+        if self.warning is not None:
+            state["early_warning"] = self.warning.state_dict()
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "running" in state:
@@ -215,6 +255,10 @@ class CollapseMetricsPlugin(Plugin):
             self.detector.load_state_dict(state["detector"])
         if "state" in state:
             self.state.load_state_dict(state["state"])
+        if "early_warning" in state and self.warning is not None:
+            self.warning.load_state_dict(state["early_warning"])
+        if "guard" in state and self.guard is not None:
+            self.guard.load_state_dict(state["guard"])
 
     def on_resume(self, iteration: int) -> None:
         if self.writers is not None:

@@ -36,7 +36,7 @@ LAYER_FIELDS = ("layer", "sublayer", "t_sim_x", "t_sim_y", "t_sim_out", "resid_n
                 "rms_factor_min", "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer",
                 "grad_norm_norms")
 STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
-               "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed")
+               "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed", "early_warning")
 LAYER_GROUP = 4
 # summary name -> (field, sublayers it pools over; None = the layer's output, as in the heatmap)
 SUMMARIES = {"t_sim_out": ("t_sim_out", None), "alpha": ("alpha", SUBLAYERS), "c": ("c", SUBLAYERS),
@@ -101,7 +101,9 @@ def step_tags(rec: dict[str, Any]) -> dict[str, float | None]:
     return tags | {"collapse/loss": rec["loss"], "collapse/t_sim/embed": rec["t_sim_embed"],
                    "collapse/t_sim/head": rec["t_sim_head"], "collapse/transition": float(rec["transition"]),
                    "collapse/grad_ratio": rec["grad_ratio"],
-                   "collapse/collapsed": None if collapsed is None else float(collapsed)}
+                   "collapse/collapsed": None if collapsed is None else float(collapsed),
+                   "collapse/early_warning": None if rec.get("early_warning") is None
+                   else float(rec["early_warning"])}
 
 
 def layer_groups(layers: tuple[int, ...], size: int = LAYER_GROUP) -> list[tuple[int, ...]]:
@@ -229,6 +231,16 @@ class Writers:
         if self.writer is not None:
             self.writer.add_text("collapse/alerts", line, step)
             self.writer.flush()
+
+    def guard(self, step: int, record: dict[str, Any]) -> None:
+        """A guard rollback: a JSONL record ``{"step", "guard": {...}}`` and ``collapse/guard/*`` scalars."""
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, "guard": record}) + "\n")
+            self.jsonl.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("collapse/guard/rollbacks", record["rollback"], step)
+            self.writer.add_scalar("collapse/guard/to_step", record["to_step"], step)
+            self.writer.add_scalar("collapse/guard/peak_lr", record["lr"], step)
 
     def close(self) -> None:
         if self.jsonl is not None:

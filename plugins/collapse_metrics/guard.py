@@ -1,0 +1,133 @@
+"""``--collapse-guard``: roll back to a recent good state when the alarm (or the early warning) fires.
+
+Every ``--collapse-guard-interval`` M steps, while neither event is on, the trainer's in-memory
+snapshot (``Trainer.snapshot``: module and optimizer state on the host, lr schedule, RNG, data
+position) is kept with this plugin's own state; the last two are kept. On the event the older one is
+restored (>= M steps before the event, before the onset the snapshot after it may already hold), a
+remedy is applied, and training goes on: ``lr*F`` scales --lr and --min-lr by F, ``warmup*F``
+stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``), ``skip`` keeps the data position (the
+window since the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the
+next event stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
+Exact for ZeRO-0 in fp32 without pipeline parallelism; other layouts are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from megapost.arguments import ConfigError
+
+REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip))$")
+
+
+def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--collapse-guard", action="store_true",
+                   help="roll back to an in-memory snapshot when the alarm/early warning fires (guard.py)")
+    g.add_argument("--collapse-guard-on", choices=["alarm", "early"], default="alarm",
+                   help="the event that triggers a rollback ('early' needs --collapse-early-warning)")
+    g.add_argument("--collapse-guard-remedy", default="lr*0.5", metavar="R",
+                   help="lr*F | warmup*F | warmup | skip")
+    g.add_argument("--collapse-guard-retries", type=int, default=2, metavar="N",
+                   help="rollbacks before the run stops")
+    g.add_argument("--collapse-guard-interval", type=int, default=50, metavar="M",
+                   help="snapshot every M steps")
+
+
+@dataclass
+class Remedy:
+    kind: str  # "lr", "warmup" or "skip"
+    factor: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> Remedy:
+        m = REMEDY.match(text.replace(" ", ""))
+        try:
+            if m and m.group(1):
+                return cls(m.group(1), float(m.group(2)))
+        except ValueError:
+            m = None
+        if m and m.group(3):
+            return cls("warmup", 2.0)
+        if m and m.group(4):
+            return cls("skip")
+        raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup or skip")
+
+
+def check_guard_args(args: argparse.Namespace) -> None:
+    if not args.collapse_guard:
+        return
+    if args.zero_stage != 0 or args.bf16 or args.pipeline_model_parallel_size > 1:
+        raise ConfigError("--collapse-guard: in-memory snapshots are exact only for --zero-stage 0 in fp32 "
+                          "without pipeline parallelism; drop --zero-stage/--bf16/"
+                          "--pipeline-model-parallel-size or the guard")
+    if args.collapse_guard_on == "early" and not args.collapse_early_warning:
+        raise ConfigError("--collapse-guard-on early needs --collapse-early-warning")
+    if args.collapse_guard_interval < 1 or args.collapse_guard_retries < 0:
+        raise ConfigError("--collapse-guard-interval must be >= 1 and --collapse-guard-retries >= 0")
+    Remedy.parse(args.collapse_guard_remedy)
+
+
+class Guard:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.on = args, args.collapse_guard_on
+        self.remedy = Remedy.parse(args.collapse_guard_remedy)
+        self.interval, self.retries = args.collapse_guard_interval, args.collapse_guard_retries
+        self.rollbacks = 0
+        self.lr_scale = self.warmup_scale = 1.0
+        self.applied: tuple[float, float] | None = None  # the scales last written into the schedule
+        self.snapshots: list[dict[str, Any]] = []
+
+    def _apply_schedule(self, engine: Any) -> None:
+        """Write the remedy scales into the lr schedule (megapost.schedule.WarmupDecaySchedule)."""
+        if self.applied == (self.lr_scale, self.warmup_scale):
+            return
+        a, sched = self.args, engine.lr_scheduler
+        sched.params.update(lr=a.lr * self.lr_scale, min_lr=a.min_lr * self.lr_scale,
+                            warmup=round(a.lr_warmup_iters * self.warmup_scale))
+        sched.load_state_dict(sched.state_dict())  # re-applies the lr at the current step
+        self.applied = (self.lr_scale, self.warmup_scale)
+
+    def after_iteration(self, iteration: int, trainer: Any, event: str | None, healthy: bool,
+                        plugin_state: Any) -> dict[str, Any] | None:
+        """Snapshot (when ``healthy``: neither event on) or roll back on ``event``; returns the rollback's
+        record (None otherwise). ``plugin_state`` is the plugin's ``(state_dict, load_state_dict)``."""
+        self._apply_schedule(trainer.engine)
+        if event is None:
+            if healthy and (not self.snapshots or iteration % self.interval == 0):
+                self.snapshots = [*self.snapshots[-1:], {"trainer": trainer.snapshot(),
+                                                         "plugin": copy.deepcopy(plugin_state[0]())}]
+            return None
+        if self.rollbacks >= self.retries:
+            raise SystemExit(f"[collapse] guard: {event} at step {iteration} after {self.rollbacks} "
+                             f"rollback(s) (--collapse-guard-retries {self.retries}); stopping")
+        snap = self.snapshots[0]
+        self.snapshots = [snap]
+        self.rollbacks += 1
+        if self.remedy.kind == "lr":
+            self.lr_scale *= self.remedy.factor
+        elif self.remedy.kind == "warmup":
+            self.warmup_scale *= self.remedy.factor
+        counters = self.state_dict()
+        trainer.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
+        plugin_state[1](copy.deepcopy(snap["plugin"]))
+        self.load_state_dict(counters)
+        self._apply_schedule(trainer.engine)
+        back, params, remedy = snap["trainer"]["iteration"], trainer.engine.lr_scheduler.params, \
+            self.args.collapse_guard_remedy
+        return {"event": event, "step": iteration, "to_step": back, "rollback": self.rollbacks,
+                "remedy": remedy, "lr": params["lr"], "warmup": params["warmup"],
+                "line": (f"[collapse] guard: {event} at step {iteration}; rolled back to step {back} "
+                         f"(rollback {self.rollbacks}/{self.retries}), remedy {remedy}: peak lr "
+                         f"{params['lr']:.3g}, warmup {params['warmup']}"
+                         + (", data window skipped" if self.remedy.kind == "skip" else ""))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = int(state["rollbacks"])
+        self.lr_scale, self.warmup_scale = float(state["lr_scale"]), float(state["warmup_scale"])
