@@ -18,6 +18,7 @@ from megapost.model import ModelConfig
 from megapost.monitor import Monitor
 from megapost.optimizer import build_optimizer
 from megapost.parallel import build_model, initialize_parallel
+from megapost.parallel.compile import compile_blocks
 from megapost.pretrain import build_plugins, model_config_from_args
 from megapost.schedule import WarmupDecaySchedule
 from megapost.training import PluginBatches, Trainer
@@ -56,6 +57,8 @@ def build_trainer(b: argparse.Namespace, extra_flags: Sequence[str] = (), plugin
     pstate = initialize_parallel(1, 1, False)
     cfg = model_config_from_args(args, b.vocab)
     model, loss_fn = build_model(cfg, pstate)
+    if args.compile:
+        compile_blocks(model)
     monitor = Monitor(tb_dir, enabled=tb_dir is not None)
     plugins = build_plugins(plugin_classes, args, cfg, pstate, monitor)
     for plugin in plugins:

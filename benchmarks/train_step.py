@@ -8,6 +8,8 @@ per-round ratio, on the wall clock and on this process's CPU time.
     python benchmarks/train_step.py --bf16          # bf16: megapost vs a bare loop of the same math,
                                                     #   and megapost's bf16 vs fp32 step
     python benchmarks/train_step.py --bf16 --layers 8 --hidden 512 --seq 512 --vocab 32000 --micro 2
+    python benchmarks/train_step.py --compile       # also megapost --compile (regional torch.compile of
+                                                    #   the blocks) vs megapost eager
 
 The bare bf16 loop does what megapost's bf16 does, in plain PyTorch: bf16 weights and activations
 (RMSNorm and the loss in fp32 inside), fp32 master weights stepped by AdamW, and each micro-batch's
@@ -116,6 +118,7 @@ def main() -> None:
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also time megapost --compile vs eager")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b = p.parse_args()
     if b.threads:
@@ -138,6 +141,10 @@ def main() -> None:
         bare = BareLoop(cfg, args, "fp32", b.micro, b.accum)
         variants["bare fp32"] = bare.step
         pairs.append(("megapost", "bare fp32", "fp32 megapost / bare fp32 (target <= 1.10)"))
+    if b.compile:  # warm-up (run_rounds) compiles; all blocks share one graph
+        compiled, _, _ = build_trainer(b, [*precision, "--compile"])
+        variants["megapost compiled"] = lambda: float(compiled.train_step(1))
+        pairs.append(("megapost compiled", "megapost", "megapost --compile / eager"))
     dtype = torch.bfloat16 if b.bf16 else torch.float32
     times, peaks = run_rounds(variants, b.rounds, dtype, trainer.device)
 

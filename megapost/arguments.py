@@ -74,6 +74,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-activations", action="store_true")
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="transformer layers per activation-checkpoint segment")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (steps with collapse_metrics probes run eager)")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

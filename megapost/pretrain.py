@@ -40,6 +40,7 @@ from .parallel import (
     make_mpu,
     padded_vocab_size,
 )
+from .parallel.compile import compile_blocks
 from .peak_flops import resolve_peak
 from .plan import planned_rank_peak
 from .plugins import PluginContext, plugin_classes
@@ -158,6 +159,10 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
 
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=args.checkpoint_activations,
                                  checkpoint_num_layers=args.checkpoint_num_layers)
+    if args.compile:
+        compiled = compile_blocks(model)
+        if pstate.is_logging_rank:
+            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
     monitor = Monitor(args.tensorboard_dir, enabled=pstate.is_logging_rank)
     plugins = build_plugins(classes, args, model_cfg, pstate, monitor)
     for plugin in plugins:

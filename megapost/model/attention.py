@@ -42,6 +42,8 @@ class Attention(nn.Module):
         self._rope: tuple[torch.Tensor, ...] | None = None
 
     def _rope_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():  # in a compiled graph: computed there, no cached state to guard
+            return rope_cache(seq, self.head_dim, self.rope_theta, device)
         if self._rope is None or self._rope[0].shape[0] < seq or self._rope[0].device != device:
             self._rope = rope_cache(seq, self.head_dim, self.rope_theta, device)
         return self._rope[0][:seq], self._rope[1][:seq]

@@ -2,14 +2,16 @@
 
 Recomputation re-runs block forwards, and with them the blocks' ``Probe`` modules. The non-reentrant
 ``torch.utils.checkpoint`` takes a ``context_fn`` giving one context for the original forward and one
-for the recompute; the recompute context detaches every probe listener under ``root`` and restores it
-afterwards, so a listener sees each activation exactly once (from the original forward, whose tensors
-are part of the backward graph, so gradient hooks a listener registers on them still fire).
+for the recompute; the recompute context gives every probe under ``root`` that listened during the
+original forward a silent listener (and the others none), restoring the listeners afterwards. So a
+listener sees each activation exactly once (from the original forward, whose tensors are part of the
+backward graph, so gradient hooks a listener registers on them still fire), and the recompute sees
+the probes as the forward did (``--compile`` then picks the same eager or compiled block forward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -20,13 +22,16 @@ from torch.utils.checkpoint import checkpoint
 from megapost.model.probe import Probe
 
 
+def silent_listener(*_args: Any, **_tensors: Any) -> None:
+    """A listener that ignores what it is shown."""
+
+
 @contextmanager
-def probes_silenced(root: nn.Module) -> Iterator[None]:
-    """Detach the listeners of all probes under ``root`` for the duration of the block."""
-    probes = [m for m in root.modules() if isinstance(m, Probe) and m.listener is not None]
+def probes_silenced(probes: Sequence[Probe], listened: Sequence[bool]) -> Iterator[None]:
+    """For the duration of the block, ``probes[i]`` has a silent listener if ``listened[i]``, else none."""
     listeners = [p.listener for p in probes]
-    for p in probes:
-        p.listener = None
+    for p, heard in zip(probes, listened, strict=True):
+        p.listener = silent_listener if heard else None
     try:
         yield
     finally:
@@ -39,5 +44,7 @@ def checkpoint_without_probes(root: nn.Module, function: Callable[..., Any], *ar
     (a plain call when gradients are off, e.g. evaluation)."""
     if not torch.is_grad_enabled():
         return function(*args)
+    probes = [m for m in root.modules() if isinstance(m, Probe)]
+    listened = [p.listener is not None for p in probes]  # now, at the original forward
     return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=lambda: (nullcontext(), probes_silenced(root)))
+                      context_fn=lambda: (nullcontext(), probes_silenced(probes, listened)))

@@ -13,7 +13,8 @@ Each mapping is an ``autograd.Function`` whose backward is the adjoint of its fo
     share_replicated_slice             identity                   sum over the ranks sharing the slice
 
 Activations are [batch, seq, hidden], so the sequence dimension is 1 (Megatron's is 0). On a group of
-one rank, or with no group, every mapping is the identity and issues no collective.
+one rank, or with no group, every mapping is the identity and issues no collective. ``torch.compile``
+does not trace into them (a graph break at each).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ _GatherFromSeq = _mapping("_GatherFromSeq", _gather_seq, _reduce_scatter_seq)
 _ReduceScatterToSeq = _mapping("_ReduceScatterToSeq", _reduce_scatter_seq, _gather_seq)
 
 
+@torch.compiler.disable  # under --compile, each collective is a clean graph break
 def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: Any) -> torch.Tensor:
     if group is None or C.group_size(group) == 1:
         return x
@@ -144,6 +146,7 @@ class _ShareReplicatedSlice(torch.autograd.Function):
         return C.all_reduce(slots, ctx.group)[slot], None, None
 
 
+@torch.compiler.disable
 def share_replicated_slice(w: torch.Tensor, group: Any, replicas: int) -> torch.Tensor:
     """``w`` (this rank's copy of a slice replicated on ``replicas`` TP ranks), whose gradient is summed
     over those ranks; the identity when nothing is replicated."""
