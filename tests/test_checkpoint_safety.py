@@ -200,6 +200,9 @@ def test_broken_checkpoint_files_are_one_line(tiny_data, ckpt) -> None:
     meta.write_bytes(good)
     states = ckpt / "iter_0000002" / MODEL_STATES
     states.write_bytes(states.read_bytes()[:100_000])
+    msg = _error(flags)  # the tag's manifest (layout_free/) sees the wrong size first
+    assert "incomplete" in msg and f"truncated ({states.name})" in msg
+    shutil.rmtree(ckpt / "iter_0000002" / "layout_free")  # a tag without one: the pre-scan finds it
     msg = _error(flags)
     assert str(states) in msg and "truncated or corrupt" in msg
     with pytest.raises(ConfigError, match="truncated or corrupt"):
