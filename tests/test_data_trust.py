@@ -20,6 +20,7 @@ from megapost.data import (
     build_train_valid_test_datasets,
     train_tokenizer,
 )
+from megapost.data.blend import Blend, DataSources
 from megapost.data.tokenizer_sidecar import read_sidecar, sidecar_path
 from megapost.pretrain import check_data
 from megapost.utils.checksum import file_sha256
@@ -35,7 +36,7 @@ def other_tokenizer(tiny_data, tmp_path_factory) -> str:
 
 def _args(data_path: str, tokenizer_model: str, allow: bool = False) -> argparse.Namespace:
     return argparse.Namespace(data_path=data_path, tokenizer_model=tokenizer_model,
-                              allow_tokenizer_mismatch=allow)
+                              allow_tokenizer_mismatch=allow, data_sources=DataSources(Blend((data_path,))))
 
 
 def test_preprocessing_records_the_tokenizer(tiny_data) -> None:
