@@ -228,7 +228,7 @@ def exit_once(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:  # bad flags or checkpoint files: one line, exit 1
         exit_once(str(e.code))
     except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite state, a
