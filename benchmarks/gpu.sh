@@ -2,7 +2,7 @@
 # One command on a CUDA machine: paper-180m in bf16 (synthetic batches), then the collapse_metrics
 # overhead at interval 1 and 100. Works offline: without DeepSpeed it installs the wheels carried in
 # wheels/ (--no-deps --no-index; build them on a networked machine with `bash benchmarks/gpu.sh
-# --build-wheels`, see docs/readme/bf16.md).
+# --build-wheels`, see docs/scaling.md).
 #
 #   bash benchmarks/gpu.sh [--steps 300] [--peak-tflops 989] [--overhead-block 100]
 #   bash benchmarks/gpu.sh --build-wheels [--python-version 3.11]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A Post-Norm run that first learns and then collapses, beside its Pre-Norm twin (identical settings).
-# Found by tools/stability_sweep.py (docs/readme/collapse.md): 4 layers, d=64, seq 64, batch 8, paper
+# Found by tools/stability_sweep.py (docs/collapse_study.md): 4 layers, d=64, seq 64, batch 8, paper
 # init, lr 3e-2 after a 200-step linear warmup (cosine to 3e-3), 400 steps, on the embedded news corpus
 # tokenized with a 2,048-token BPE trained on it (frequency loss of the train split L = 6.50 nats).
 # Measured (seed 1, metrics every 4 steps): Post-Norm learns to 5.65 (0.85 nats below L, t_sim(X^H)
