@@ -57,6 +57,17 @@ def _to_host(tree: Any) -> Any:
     return copy.deepcopy(tree)
 
 
+
+def _host_norms(norms: list[Any]) -> list[float | None]:
+    """Grad norms as floats, device tensors copied to the host in one transfer."""
+    on_device = [i for i, n in enumerate(norms) if isinstance(n, torch.Tensor)]
+    out: list[Any] = list(norms)
+    if on_device:
+        host = torch.stack([norms[i].detach().float().reshape(()) for i in on_device]).tolist()
+        for i, value in zip(on_device, host, strict=True):
+            out[i] = value
+    return [None if n is None else float(n) for n in out]
+
 class PluginBatches:
     """Iterator wrapper that shows every micro-batch to the plugins measuring this step."""
 
@@ -186,22 +197,22 @@ class Trainer:
         if not st.losses or not (force or st.iteration % args.log_interval == 0):
             return
         values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
-        for (step, _, grad_norm, lr), loss in zip(st.losses, values, strict=True):
+        norms = _host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
+        for (step, _, _, lr), loss, norm in zip(st.losses, values, norms, strict=True):
             tokens = step * self.tokens_per_step
             scalars = {"lm_loss": loss, "lr": lr}
-            if grad_norm is not None:
-                scalars["grad_norm"] = float(grad_norm)
+            if norm is not None:
+                scalars["grad_norm"] = norm
             self.monitor.scalars("train", scalars, step, tokens)
-        for (step, _, grad_norm, _), value in zip(st.losses, values, strict=True):
-            norm = math.nan if grad_norm is None else float(grad_norm)
-            if not math.isfinite(value) or (grad_norm is not None and not math.isfinite(norm)):
+        for (step, _, _, _), value, norm in zip(st.losses, values, norms, strict=True):
+            if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
                 raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
                                                     args.save)
         perf = self.throughput.report()
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
-        _, _, grad_norm, lr = st.losses[-1]
-        gn = f"{float(grad_norm):.3f}" if grad_norm is not None else "n/a"
+        lr = st.losses[-1][3]
+        gn = f"{norms[-1]:.3f}" if norms[-1] is not None else "n/a"
         self.monitor.line(
             f" iteration {st.iteration:6d}/{args.train_iters} | consumed samples {st.consumed_samples} | "
             f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
