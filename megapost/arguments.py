@@ -6,6 +6,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from .model.placements import PLACEMENTS
 from .presets import PRESETS
 
 
@@ -14,6 +15,13 @@ class ConfigError(SystemExit):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"error: {message}")
+
+
+def _two_floats(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}")
+    return float(parts[0]), float(parts[1])
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +35,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group-query-attention", action="store_true",
                    help="Megatron's switch for --num-query-groups (which alone is enough here)")
     g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--norm-position", choices=["post", "pre"], default="post")
+    g.add_argument("--norm-position", choices=list(PLACEMENTS), default="post",
+                   help="norm placement (docs/placements.md): post, pre, sandwich (Peri-LN), deepnorm, "
+                        "mix (Mix-LN), hybrid (HybridNorm), pre-scaled (LayerNorm Scaling), dyt (DyT)")
+    g.add_argument("--mix-post-fraction", type=float, default=0.25,
+                   help="mix: the first floor(rho * layers) layers Post-Norm, the rest Pre-Norm")
+    g.add_argument("--dyt-alpha-init", type=_two_floats, default=(0.8, 0.2), metavar="ATTN,OTHER",
+                   help="dyt: initial tanh scale of the attention DyT and of the FFN/final DyT")
+    g.add_argument("--qk-norm", action="store_true",
+                   help="RMSNorm of queries and keys per head (one gain shared by the heads), before RoPE")
     g.add_argument("--norm-eps", type=float, default=1e-5)
     g.add_argument("--rope-theta", type=float, default=10000.0)
     g.add_argument("--init-variance", choices=["std", "paper"], default="std",
@@ -68,6 +84,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--z-loss", type=float, default=0.0, metavar="COEF",
+                   help="PaLM's auxiliary COEF * log^2 Z per token (e.g. 1e-4), in the gradient only: "
+                        "lm_loss stays the cross-entropy")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0)

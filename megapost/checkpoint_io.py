@@ -31,7 +31,7 @@ META_FILE = "megapost_meta.json"
 TMP_SUFFIX = ".tmp"
 _TAG = re.compile(r"iter_\d{7}")
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
-              "norm_position")
+              "norm_position", "mix_post_fraction", "qk_norm")
 
 
 # ---- RNG state, pickle-free -------------------------------------------------------------------
@@ -65,13 +65,18 @@ def _layout(args: argparse.Namespace) -> dict[str, int]:
 
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:
     """The model's shape (``padded_vocab_size`` is set by pretrain once the tokenizer is known)."""
-    return {k: getattr(args, k, None) for k in SHAPE_KEYS}
+    shape = {k: getattr(args, k, None) for k in SHAPE_KEYS}
+    if shape["norm_position"] != "mix":
+        shape["mix_post_fraction"] = None  # meaningless for the other placements
+    return shape
 
 
 def describe_shape(shape: dict[str, Any]) -> str:
     return (f"{shape.get('num_layers')} layers x {shape.get('hidden_size')} hidden, ffn "
             f"{shape.get('ffn_hidden_size')}, {shape.get('num_attention_heads')} heads, vocab "
-            f"{shape.get('padded_vocab_size')}, {shape.get('norm_position')}-norm")
+            f"{shape.get('padded_vocab_size')}, {shape.get('norm_position')}-norm"
+            + (f" rho {shape['mix_post_fraction']}" if shape.get("mix_post_fraction") is not None else "")
+            + (", qk-norm" if shape.get("qk_norm") else ""))
 
 
 def _shape_differs(saved: dict[str, Any] | None, ours: dict[str, Any]) -> bool:

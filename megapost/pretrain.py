@@ -59,7 +59,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         seq_length=args.seq_length,
-        norm_position=args.norm_position, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        norm_position=args.norm_position, mix_post_fraction=args.mix_post_fraction,
+        dyt_alpha_init=tuple(args.dyt_alpha_init), qk_norm=args.qk_norm,
+        norm_eps=args.norm_eps, rope_theta=args.rope_theta,
         init_variance=args.init_variance, init_method_std=args.init_method_std,
         scaled_output_init=args.scaled_output_init, sublayer_init_multiplier=args.init_sublayer_multiplier,
         prefix_alpha=args.prefix_alpha, seed=args.seed,
@@ -158,7 +160,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     torch.manual_seed(args.seed)
 
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=args.checkpoint_activations,
-                                 checkpoint_num_layers=args.checkpoint_num_layers)
+                                 checkpoint_num_layers=args.checkpoint_num_layers, z_loss=args.z_loss)
     if args.compile:
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:

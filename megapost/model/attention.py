@@ -1,5 +1,5 @@
-"""Causal multi-head (or grouped-query) attention with RoPE, fused SDPA and the prefix-averaging
-intervention."""
+"""Causal multi-head (or grouped-query) attention with RoPE, fused SDPA, optional per-head RMSNorm of
+the queries and keys (--qk-norm) or of Q, K and V (HybridNorm), and the prefix-averaging intervention."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .norm import RMSNorm
 from .rope import apply_rope, rope_cache
 
 
@@ -27,9 +28,10 @@ class Attention(nn.Module):
     """softmax(QK^T/sqrt(d_h)) V W_O per head; heads are inferred from the projection widths, so a
     tensor-parallel wrapper can shard W_Q/W_K/W_V by columns and W_O by rows without changes here.
     With grouped-query attention W_K and W_V are ``num_query_groups * d_h`` wide and query head h reads
-    K/V head h // (heads / groups)."""
+    K/V head h // (heads / groups). Head norms (``q_norm``, ``k_norm``, ``v_norm``) normalise each head
+    over its d_h channels with one gain shared by all heads, before RoPE."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_norm: bool = False) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.head_dim = cfg.head_dim
@@ -39,6 +41,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, cfg.kv_size, bias=False)
         self.wv = nn.Linear(d, cfg.kv_size, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
+        qk = cfg.qk_norm or qkv_norm
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk else None
+        self.v_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qkv_norm else None
         self._rope: tuple[torch.Tensor, ...] | None = None
 
     def _rope_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -55,6 +61,10 @@ class Attention(nn.Module):
             return t.view(b, t.shape[1], -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         cos, sin = self._rope_tables(q.shape[2], x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]

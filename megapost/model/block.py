@@ -1,4 +1,5 @@
-"""One transformer layer with the norm-placement switch (dataflow: shared/paper/QUANTITIES.md)."""
+"""One transformer layer; its norm placement is a pair of rules from megapost.model.placements
+(dataflow of every placement: docs/placements.md; Post/Pre: shared/paper/QUANTITIES.md)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,60 @@ from torch import nn
 from .attention import Attention
 from .config import ModelConfig
 from .mlp import SwiGLU
-from .norm import RMSNorm
+from .norm import make_norm
+from .placements import Sublayer
 from .probe import Probe
 
 
 class TransformerBlock(nn.Module):
     """Post-Norm: Y1 = X1 + Attn(X1); X2 = N1(Y1); Y2 = X2 + FFN(X2); out = N2(Y2).
     Pre-Norm:  Y1 = X1 + Attn(N1(X1)); X2 = Y1;    Y2 = X2 + FFN(N2(X2)); out = Y2.
+    Other placements: the rules' one formula (``placements`` module docstring).
 
-    Each sublayer reports ``x`` (its input X_k), ``y`` (the residual sum Y_k), ``out`` (Post-Norm's
-    normalised output, else None) and ``norm_in`` (the tensor its RMSNorm sees) to a probe.
-    ``layer_number`` is 1-based, as in the paper.
+    ``attention_norm`` / ``mlp_norm`` are each sublayer's residual-stream norm (before the sublayer or
+    after the add, as its rule says; None when it has none), ``*_out_norm`` the sandwich output norms.
+    Each sublayer reports ``x`` (its input X_k), ``y`` (the residual sum Y_k), ``out`` (the normalised
+    output when the stream is normalised after the add, else None) and ``norm_in`` (the tensor its
+    RMSNorm sees; None without one, or under DyT) to a probe. ``layer_number`` is 1-based.
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.post = cfg.norm_position == "post"
-        self.attention = Attention(cfg)
+        self.attn_rule, self.ffn_rule = cfg.rules(layer_number)
+        self.attention = Attention(cfg, qkv_norm=self.attn_rule.qkv_norm)
         self.mlp = SwiGLU(cfg)
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        alpha_attn, alpha_other = cfg.dyt_alpha_init
+
+        def norm(rule: Sublayer, slot: str, alpha: float) -> nn.Module | None:
+            wanted = rule.norm_input is not None if slot == "stream" else rule.output_norm
+            return make_norm(cfg.norm_kind, cfg.hidden_size, cfg.norm_eps, alpha) if wanted else None
+
+        self.attention_norm = norm(self.attn_rule, "stream", alpha_attn)
+        self.attention_out_norm = norm(self.attn_rule, "out", alpha_other)
+        self.mlp_norm = norm(self.ffn_rule, "stream", alpha_other)
+        self.mlp_out_norm = norm(self.ffn_rule, "out", alpha_other)
+        self.measures_rms = cfg.norm_kind == "rms"
         self.probe_attn = Probe(("layer", layer_number, "attn"))
         self.probe_ffn = Probe(("layer", layer_number, "ffn"))
 
-    def _sublayer(self, x: torch.Tensor, fn: nn.Module, norm: nn.Module, probe: Probe) -> torch.Tensor:
-        if self.post:
-            y = x + fn(x)
-            out = norm(y)
-            probe(x=x, y=y, out=out, norm_in=y)
-            return out
-        y = x + fn(norm(x))
-        probe(x=x, y=y, out=None, norm_in=x)
-        return y
+    def _sublayer(self, x: torch.Tensor, rule: Sublayer, fn: nn.Module, norm: nn.Module | None,
+                  out_norm: nn.Module | None, probe: Probe) -> torch.Tensor:
+        h = x
+        if rule.input_norm:
+            h = norm(h)
+            if rule.input_scale != 1.0:
+                h = h * rule.input_scale
+        h = fn(h)
+        if out_norm is not None:
+            h = out_norm(h)
+        y = x + h if rule.residual_scale == 1.0 else x * rule.residual_scale + h
+        out = norm(y) if rule.post_norm else None
+        norm_in = {"x": x, "y": y}.get(rule.norm_input) if self.measures_rms else None
+        probe(x=x, y=y, out=out, norm_in=norm_in)
+        return y if out is None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._sublayer(x, self.attention, self.attention_norm, self.probe_attn)
-        return self._sublayer(x, self.mlp, self.mlp_norm, self.probe_ffn)
+        x = self._sublayer(x, self.attn_rule, self.attention, self.attention_norm, self.attention_out_norm,
+                           self.probe_attn)
+        return self._sublayer(x, self.ffn_rule, self.mlp, self.mlp_norm, self.mlp_out_norm, self.probe_ffn)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .placements import PLACEMENTS, Sublayer, has_final_norm, layer_rules, norm_kind
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -16,7 +18,10 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # K/V heads (grouped-query attention); None: = heads (MHA)
     seq_length: int = 128
-    norm_position: str = "post"  # "post" (norm after each residual add) | "pre"
+    norm_position: str = "post"  # a placement of megapost.model.placements.PLACEMENTS
+    mix_post_fraction: float = 0.25  # "mix": the first floor(rho L) layers Post-Norm, the rest Pre-Norm
+    dyt_alpha_init: tuple[float, float] = (0.8, 0.2)  # "dyt": a_0 of the attention / other DyT layers
+    qk_norm: bool = False  # RMSNorm of queries and keys per head (gain shared by the heads), any placement
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_variance: str = "std"  # "std": N(0, init_method_std^2) | "paper": 1/(3d), W_2: 1/(3 d_ff)
@@ -27,8 +32,11 @@ class ModelConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        if self.norm_position not in ("post", "pre"):
-            raise ValueError(f"--norm-position must be 'post' or 'pre', got {self.norm_position!r}")
+        if self.norm_position not in PLACEMENTS:
+            raise ValueError(f"--norm-position must be one of {', '.join(PLACEMENTS)}, "
+                             f"got {self.norm_position!r}")
+        if not 0.0 <= self.mix_post_fraction <= 1.0:
+            raise ValueError(f"--mix-post-fraction must be in [0, 1], got {self.mix_post_fraction}")
         if self.init_variance not in ("std", "paper"):
             raise ValueError(f"--init-variance must be 'std' or 'paper', got {self.init_variance!r}")
         if self.hidden_size % self.num_attention_heads:
@@ -46,6 +54,32 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def rules(self, layer_number: int) -> tuple[Sublayer, Sublayer]:
+        """(attention, FFN) dataflow rules of 1-based ``layer_number`` (megapost.model.placements)."""
+        return layer_rules(self.norm_position, layer_number, self.num_layers, self.mix_post_fraction)
+
+    @property
+    def final_norm(self) -> bool:
+        """Whether the head normalises its input (the last sublayer did not already)."""
+        return has_final_norm(self.norm_position, self.num_layers, self.mix_post_fraction)
+
+    @property
+    def norm_kind(self) -> str:
+        return norm_kind(self.norm_position)
+
+    @property
+    def norm_parameters(self) -> int:
+        """Parameters of one residual-stream norm: RMSNorm's gain, or DyT's gain and scalar."""
+        return self.hidden_size + 1 if self.norm_kind == "dyt" else self.hidden_size
+
+    def layer_norm_parameters(self, layer_number: int) -> int:
+        """Norm parameters inside layer ``layer_number``: residual-stream norms, Q/K(/V) gains."""
+        attn, ffn = self.rules(layer_number)
+        n = sum(self.norm_parameters * (int(r.norm_input is not None) + int(r.output_norm))
+                for r in (attn, ffn))
+        head_norms = 3 if attn.qkv_norm else 2 if self.qk_norm else 0
+        return n + head_norms * self.head_dim
 
     @property
     def kv_groups(self) -> int:
@@ -65,10 +99,11 @@ class ModelConfig:
         """Exact parameter counts by part (embedding and head untied; RMSNorm gains, no biases)."""
         d, v = self.hidden_size, self.vocab_size
         return {
-            "embedding": v * d,
+            "embedding": v * d + (1 if self.norm_kind == "dyt" else 0),  # DyT: the embedding scalar
             "head": v * d,
-            "layers": self.num_layers * (self._layer_matmul_weights() + 2 * d),
-            "final_norm": d if self.norm_position == "pre" else 0,
+            "layers": sum(self._layer_matmul_weights() + self.layer_norm_parameters(n)
+                          for n in range(1, self.num_layers + 1)),
+            "final_norm": self.norm_parameters if self.final_norm else 0,
         }
 
     def num_parameters(self, non_embedding: bool = False) -> int:

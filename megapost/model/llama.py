@@ -2,37 +2,44 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from .block import TransformerBlock
 from .config import ModelConfig
 from .init import init_block_, init_embedding_, init_head_
-from .norm import RMSNorm
+from .norm import make_norm
 from .probe import Probe
 
 
 class Embedding(nn.Module):
-    """Token embedding; its output is X_1^1."""
+    """Token embedding (times a learned scalar, init sqrt(d), under DyT); its output is X_1^1."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.scale = (nn.Parameter(torch.full((1,), math.sqrt(cfg.hidden_size)))
+                      if cfg.norm_kind == "dyt" else None)
         self.probe = Probe(("embed",))
         init_embedding_(self.word_embeddings.weight, cfg, cfg.seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
+        if self.scale is not None:
+            x = x * self.scale.to(x.dtype)
         self.probe(x=x)
         return x
 
 
 class Head(nn.Module):
-    """Final RMSNorm (Pre-Norm only; Post-Norm's last block already ends in one) and untied LM head."""
+    """Final norm (unless the last block already ends in one, as Post-Norm's does) and untied LM head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.norm_position == "pre" else None
+        self.final_norm = (make_norm(cfg.norm_kind, cfg.hidden_size, cfg.norm_eps, cfg.dyt_alpha_init[1])
+                           if cfg.final_norm else None)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.probe = Probe(("head",))
         init_head_(self.lm_head.weight, cfg, cfg.seed)

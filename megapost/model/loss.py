@@ -23,13 +23,13 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """CE_i = logsumexp(z_i) - z_i[t_i] per row of ``logits`` [n, v], computed in fp32 (fp64 for
-    fp64 logits) one block of
-    rows at a time; backward recomputes softmax from the saved logits: dCE_i/dz_i = softmax(z_i) -
-    onehot(t_i). No full-size fp32 copy of the logits or of the log-probabilities is ever made."""
+    """(CE_i, lse_i) per row of ``logits`` [n, v]: lse_i = logsumexp(z_i), CE_i = lse_i - z_i[t_i],
+    computed in fp32 (fp64 for fp64 logits) one block of rows at a time; backward recomputes softmax
+    from the saved logits: dCE_i/dz_i = softmax(z_i) - onehot(t_i), dlse_i/dz_i = softmax(z_i). No
+    full-size fp32 copy of the logits or of the log-probabilities is ever made."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, v = logits.shape
         dtype = _compute_dtype(logits)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
@@ -41,10 +41,10 @@ class _CrossEntropy(torch.autograd.Function):
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             picked[start:stop] = z.gather(-1, target[start:stop].unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, target, lse)
-        return lse - picked
+        return lse - picked, lse.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits, target, lse = ctx.saved_tensors
         n, v = logits.shape
         out = torch.empty_like(logits)
@@ -53,19 +53,38 @@ class _CrossEntropy(torch.autograd.Function):
             stop = min(start + blocks.step, n)
             p = logits[start:stop].to(lse.dtype).sub_(lse[start:stop].unsqueeze(-1)).exp_()
             t = target[start:stop].unsqueeze(-1)
-            p.scatter_add_(-1, t, torch.full(t.shape, -1.0, dtype=p.dtype, device=p.device))
-            out[start:stop] = p.mul_(grad[start:stop].unsqueeze(-1))
+            g = grad[start:stop].unsqueeze(-1)
+            p.mul_(g + grad_lse[start:stop].unsqueeze(-1))
+            out[start:stop] = p.scatter_add_(-1, t, -g)
         return out, None
+
+
+def cross_entropy_and_lse(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token CE and log Z = logsumexp(logits) in fp32, each of the shape of ``target``;
+    ``logits`` [..., v], every target in [0, v)."""
+    ce, lse = _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return ce.view(target.shape), lse.view(target.shape)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token CE in fp32, shape of ``target``; ``logits`` [..., v], every target in [0, v)."""
-    ce = _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-    return ce.view(target.shape)
+    return cross_entropy_and_lse(logits, target)[0]
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """sum(CE * mask) / sum(mask), CE in fp32."""
-    ce = cross_entropy(logits, labels).flatten()
+def masked_lm_loss(ce: torch.Tensor, lse: torch.Tensor, loss_mask: torch.Tensor,
+                   z_loss: float = 0.0) -> torch.Tensor:
+    """sum(CE * mask) / sum(mask), plus PaLM's z-loss ``z_loss`` * mean(log^2 Z) in the gradient only:
+    the returned value stays the cross-entropy (comparable across runs with and without it), its
+    gradient is that of CE + z_loss * log^2 Z."""
     mask = loss_mask.flatten().float()
-    return (ce * mask).sum() / mask.sum()
+    loss = (ce.flatten() * mask).sum() / mask.sum()
+    if z_loss:
+        z = z_loss * (lse.flatten().square() * mask).sum() / mask.sum()
+        loss = loss + (z - z.detach())
+    return loss
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+            z_loss: float = 0.0) -> torch.Tensor:
+    """sum(CE * mask) / sum(mask), CE in fp32 (``z_loss``: see ``masked_lm_loss``)."""
+    return masked_lm_loss(*cross_entropy_and_lse(logits, labels), loss_mask, z_loss)

@@ -1,4 +1,5 @@
-"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm)."""
+"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm), and
+Dynamic Tanh, the norm-free replacement of the ``dyt`` placement."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _ApexRMSNorm is not None and x.is_cuda:
             from apex.normalization.fused_layer_norm import fused_rms_norm_affine  # type: ignore
@@ -28,3 +33,27 @@ class RMSNorm(nn.Module):
         # torch computes in fp32 internally for bf16/fp16 inputs (bit-identical to upcasting first,
         # tested), without the casts' copies and their backward
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al. 2025) as in its LLaMA models: y = g * tanh(a * x) with a learned
+    scalar a (init ``alpha_init``) and a per-channel gain g (init 1), no bias; computed in fp32."""
+
+    def __init__(self, dim: int, alpha_init: float) -> None:
+        super().__init__()
+        self.alpha_init = float(alpha_init)
+        self.alpha = nn.Parameter(torch.full((1,), self.alpha_init))
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.alpha.fill_(self.alpha_init)
+        self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.alpha.float() * x.float()) * self.weight.float()).to(x.dtype)
+
+
+def make_norm(kind: str, dim: int, eps: float, alpha_init: float) -> nn.Module:
+    """The residual-stream norm of a placement: RMSNorm ("rms") or DyT ("dyt", init ``alpha_init``)."""
+    return DyT(dim, alpha_init) if kind == "dyt" else RMSNorm(dim, eps)

@@ -55,20 +55,21 @@ class ParallelLlamaModel(nn.Module):
         return self.head(x)
 
 
-def make_loss_fn(pstate: ParallelState) -> LossFn:
+def make_loss_fn(pstate: ParallelState, z_loss: float = 0.0) -> LossFn:
     """``loss_fn(logits, labels, loss_mask)`` -> scalar mean CE over the mask, identical on every TP
-    rank; logits may be vocab-sharded over ``pstate.tp_group``."""
+    rank; logits may be vocab-sharded over ``pstate.tp_group``. ``z_loss``: PaLM's auxiliary
+    coefficient, in the gradient only (``megapost.model.loss.masked_lm_loss``)."""
     group = pstate.tp_group if pstate.tp_size > 1 else None
 
     def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_lm_loss(logits, labels, loss_mask, group)
+        return vocab_parallel_lm_loss(logits, labels, loss_mask, group, z_loss)
 
     return lm_loss
 
 
 def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,
                 checkpoint_num_layers: int = 1, partition_method: str = "type:TransformerBlockPipe",
-                ) -> tuple[nn.Module, LossFn]:
+                z_loss: float = 0.0) -> tuple[nn.Module, LossFn]:
     """(model, loss_fn) for this rank. ``cfg.vocab_size`` must already be padded (``padded_vocab_size``).
 
     pp_size == 1: a ``ParallelLlamaModel``; call ``loss_fn(model(tokens), labels, loss_mask)``.
@@ -77,7 +78,7 @@ def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations:
     """
     validate_layout(cfg, pstate.tp_size, pstate.pp_size, pstate.sequence_parallel, cfg.seq_length,
                     pstate.world_size)
-    loss_fn = make_loss_fn(pstate)
+    loss_fn = make_loss_fn(pstate, z_loss)
     if pstate.pp_size == 1:
         return ParallelLlamaModel(cfg, pstate, checkpoint_activations, checkpoint_num_layers), loss_fn
     from megapost.pipeline import LlamaPipeline  # imports deepspeed.pipe

@@ -13,7 +13,9 @@ outputs are all-reduced, or reduce-scattered back into sequence shards.
 Under sequence parallelism the residual stream, the RMSNorms and the probes between sublayers work on
 [b, s/tp, h]; the embedding output is reduce-scattered into those shards and the head all-gathers its
 input. The norm gains then see only this rank's tokens, so their gradients are all-reduced over TP by
-a gradient hook (``mark_sequence_parallel``) before DeepSpeed accumulates them.
+a gradient hook (``mark_sequence_parallel``) before DeepSpeed accumulates them. The per-head norm gains
+of --qk-norm / HybridNorm are shared by all heads, so a rank sees only its heads' part of their
+gradient: they get the same hook under any tensor parallelism.
 """
 
 from __future__ import annotations
@@ -68,9 +70,13 @@ def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> Transfo
     mlp.w2 = _row(mlp.w2, pstate)
     _map_input_once(attn, pstate)
     _map_input_once(mlp, pstate)
+    for head_norm in (attn.q_norm, attn.k_norm, attn.v_norm):  # one gain over this rank's heads only
+        if head_norm is not None:
+            mark_sequence_parallel(head_norm.weight, pstate.tp_group)
     if pstate.sequence_parallel:
-        mark_sequence_parallel(block.attention_norm.weight, pstate.tp_group)
-        mark_sequence_parallel(block.mlp_norm.weight, pstate.tp_group)
+        for norm in (block.attention_norm, block.attention_out_norm, block.mlp_norm, block.mlp_out_norm):
+            for param in norm.parameters() if norm is not None else ():
+                mark_sequence_parallel(param, pstate.tp_group)
     return block
 
 
@@ -79,6 +85,8 @@ def parallelize_embedding(embedding: Embedding, pstate: ParallelState) -> Embedd
     if pstate.tp_size > 1 and not isinstance(embedding.word_embeddings, VocabParallelEmbedding):
         embedding.word_embeddings = VocabParallelEmbedding(
             embedding.word_embeddings, pstate.tp_group, sequence_parallel=pstate.sequence_parallel)
+        if pstate.sequence_parallel and embedding.scale is not None:
+            mark_sequence_parallel(embedding.scale, pstate.tp_group)
     return embedding
 
 
@@ -89,5 +97,6 @@ def parallelize_head(head: Head, pstate: ParallelState) -> Head:
     head.lm_head = ColumnParallelLinear(
         head.lm_head, pstate.tp_group, input_mapping="gather_seq" if pstate.sequence_parallel else "copy")
     if pstate.sequence_parallel and head.final_norm is not None:
-        mark_sequence_parallel(head.final_norm.weight, pstate.tp_group)
+        for param in head.final_norm.parameters():
+            mark_sequence_parallel(param, pstate.tp_group)
     return head
