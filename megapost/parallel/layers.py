@@ -66,8 +66,8 @@ def shard(full: torch.Tensor, dim: int, group: Any, replicas: int = 1) -> nn.Par
 
 def mark_sequence_parallel(param: nn.Parameter, group: Any) -> None:
     """A replicated parameter applied to sequence shards (or to this rank's heads): its gradient is a
-    partial sum over the tensor-parallel group, so a gradient hook all-reduces it before it is accumulated (no trainer call
-    needed; correct under gradient accumulation and activation recomputation)."""
+    partial sum over the tensor-parallel group, so a gradient hook all-reduces it before it is
+    accumulated (no trainer call needed; correct under gradient accumulation and recomputation)."""
     if getattr(param, "sequence_parallel", False):
         return
     param.sequence_parallel = True
