@@ -55,6 +55,8 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"accepted: {', '.join(allowed)} ({why})")
     alias = dict(default=argparse.SUPPRESS)
     g.add_argument("--norm-epsilon", dest="norm_eps", type=float, help="= --norm-eps", **alias)
+    g.add_argument("--qk-layernorm", dest="qk_norm", action="store_true",
+                   help="= --qk-norm (per-head norm of queries and keys, as megatron-core's)", **alias)
     g.add_argument("--rotary-base", dest="rope_theta", type=float, help="= --rope-theta", **alias)
     g.add_argument("--data-cache-path", dest="data_cache_dir", help="= --data-cache-dir", **alias)
     g.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 (full rotary)")

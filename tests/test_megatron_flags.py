@@ -54,6 +54,7 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     assert args.norm_eps == 1e-5 and args.rope_theta == 10000 and args.zero_stage == 1
     assert args.checkpoint_activations and args.checkpoint_num_layers == 1
     assert args.data_cache_dir == str(tmp_path / "cache")
+    assert not args.qk_norm and parse_args(["--qk-layernorm"]).qk_norm  # megatron-core's per-head norm
     frac = parse_args(["--train-iters", "100", "--lr-warmup-fraction", "0.1"])
     assert frac.lr_warmup_iters == 10
 
