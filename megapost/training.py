@@ -32,6 +32,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list[tuple[int, torch.Tensor, Any, float]] = field(default_factory=list)
+    z_losses: dict[int, torch.Tensor] = field(default_factory=dict)  # --z-loss: the z term per step
 
 
 def injected_failure() -> tuple[int, int] | None:
@@ -133,7 +134,15 @@ class Trainer:
             losses.append(loss.detach().float())
         return self._dp_mean(torch.stack(losses).mean())
 
+    def _z_term(self) -> torch.Tensor | None:
+        """--z-loss: this step's z term averaged over micro-batches and data-parallel ranks, on the
+        ranks that computed the loss (None elsewhere, and without --z-loss)."""
+        take = getattr(self.loss_fn, "take_z_terms", None)
+        terms = take() if take is not None else []
+        return self._dp_mean(torch.stack(terms).mean()) if terms else None
+
     def train_step(self, step: int) -> torch.Tensor:
+        self._z_term()  # drop terms from evaluation passes
         active = [p for p in self.plugins if p.wants_step(step)]
         assert self.batches is not None
         self.batches.active, self.batches.step = active, step
@@ -198,11 +207,15 @@ class Trainer:
             return
         values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
         norms = _host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
+        z = (dict(zip(st.z_losses, torch.stack(list(st.z_losses.values())).tolist(), strict=True))
+             if st.z_losses else {})
         for (step, _, _, lr), loss, norm in zip(st.losses, values, norms, strict=True):
             tokens = step * self.tokens_per_step
             scalars = {"lm_loss": loss, "lr": lr}
             if norm is not None:
                 scalars["grad_norm"] = norm
+            if step in z:
+                scalars["z_loss"] = z[step]
             self.monitor.scalars("train", scalars, step, tokens)
         for (step, _, _, _), value, norm in zip(st.losses, values, norms, strict=True):
             if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
@@ -220,7 +233,7 @@ class Trainer:
             f"MFU {100 * perf['mfu']:.1f}% | mem {perf['memory_gb']:.2f} GB | "
             f"ETA {self.monitor.eta(st.iteration, self._start_iteration, args.train_iters)}"
         )
-        st.losses = []
+        st.losses, st.z_losses = [], {}
         if not self.memory_report and st.iteration >= min(2, args.train_iters):
             self._report_memory()  # from step 2 on the optimizer states exist: the steady-state peak
 
@@ -275,6 +288,9 @@ class Trainer:
             st.consumed_samples += args.global_batch_size
             self.throughput.tick(self.tokens_per_step)
             st.losses.append((st.iteration, loss, self._grad_norm(), lr))
+            z = self._z_term()
+            if z is not None:
+                st.z_losses[st.iteration] = z
             history["train_loss"][st.iteration] = loss
             self._log()
             if args.eval_interval and st.iteration % args.eval_interval == 0:

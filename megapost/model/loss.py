@@ -71,20 +71,22 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return cross_entropy_and_lse(logits, target)[0]
 
 
-def masked_lm_loss(ce: torch.Tensor, lse: torch.Tensor, loss_mask: torch.Tensor,
-                   z_loss: float = 0.0) -> torch.Tensor:
+def masked_lm_loss(ce: torch.Tensor, lse: torch.Tensor, loss_mask: torch.Tensor, z_loss: float = 0.0,
+                   record: list[torch.Tensor] | None = None) -> torch.Tensor:
     """sum(CE * mask) / sum(mask), plus PaLM's z-loss ``z_loss`` * mean(log^2 Z) in the gradient only:
     the returned value stays the cross-entropy (comparable across runs with and without it), its
-    gradient is that of CE + z_loss * log^2 Z."""
+    gradient is that of CE + z_loss * log^2 Z. The z term's value (detached) is appended to ``record``."""
     mask = loss_mask.flatten().float()
     loss = (ce.flatten() * mask).sum() / mask.sum()
     if z_loss:
         z = z_loss * (lse.flatten().square() * mask).sum() / mask.sum()
         loss = loss + (z - z.detach())
+        if record is not None:
+            record.append(z.detach())
     return loss
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-            z_loss: float = 0.0) -> torch.Tensor:
-    """sum(CE * mask) / sum(mask), CE in fp32 (``z_loss``: see ``masked_lm_loss``)."""
-    return masked_lm_loss(*cross_entropy_and_lse(logits, labels), loss_mask, z_loss)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, z_loss: float = 0.0,
+            record: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """sum(CE * mask) / sum(mask), CE in fp32 (``z_loss``, ``record``: see ``masked_lm_loss``)."""
+    return masked_lm_loss(*cross_entropy_and_lse(logits, labels), loss_mask, z_loss, record)

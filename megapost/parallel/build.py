@@ -55,16 +55,30 @@ class ParallelLlamaModel(nn.Module):
         return self.head(x)
 
 
-def make_loss_fn(pstate: ParallelState, z_loss: float = 0.0) -> LossFn:
+class LMLoss:
     """``loss_fn(logits, labels, loss_mask)`` -> scalar mean CE over the mask, identical on every TP
     rank; logits may be vocab-sharded over ``pstate.tp_group``. ``z_loss``: PaLM's auxiliary
-    coefficient, in the gradient only (``megapost.model.loss.masked_lm_loss``)."""
-    group = pstate.tp_group if pstate.tp_size > 1 else None
+    coefficient, in the gradient only (``megapost.model.loss.masked_lm_loss``); each call's z term is
+    kept until ``take_z_terms`` (on the ranks that compute the loss: the last pipeline stage)."""
 
-    def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_lm_loss(logits, labels, loss_mask, group, z_loss)
+    __name__ = "lm_loss"
 
-    return lm_loss
+    def __init__(self, pstate: ParallelState, z_loss: float = 0.0) -> None:
+        self.group = pstate.tp_group if pstate.tp_size > 1 else None
+        self.z_loss = z_loss
+        self.z_terms: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lm_loss(logits, labels, loss_mask, self.group, self.z_loss, self.z_terms)
+
+    def take_z_terms(self) -> list[torch.Tensor]:
+        terms, self.z_terms = self.z_terms, []
+        return terms
+
+
+def make_loss_fn(pstate: ParallelState, z_loss: float = 0.0) -> LossFn:
+    """An ``LMLoss`` for this rank's tensor-parallel group."""
+    return LMLoss(pstate, z_loss)
 
 
 def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations: bool = False,

@@ -55,9 +55,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def vocab_parallel_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                           group: Any, z_loss: float = 0.0) -> torch.Tensor:
+                           group: Any, z_loss: float = 0.0,
+                           record: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``megapost.model.lm_loss`` (sum(CE * mask) / sum(mask), optional z-loss) on vocab-sharded
     logits; the result is identical on every tensor-parallel rank. ``lm_loss`` without a TP group."""
     if group is None or C.group_size(group) == 1:
-        return lm_loss(logits, labels, loss_mask, z_loss)
-    return masked_lm_loss(*_VocabParallelCE.apply(logits, labels, group), loss_mask, z_loss)
+        return lm_loss(logits, labels, loss_mask, z_loss, record)
+    return masked_lm_loss(*_VocabParallelCE.apply(logits, labels, group), loss_mask, z_loss, record)
