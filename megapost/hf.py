@@ -1,8 +1,11 @@
 """Hugging Face ``transformers`` interchange: export a megapost model directory, import a Llama one.
 
-Export: Pre-Norm without the prefix-averaging term is exactly ``LlamaForCausalLM``; every other model
-(Post-Norm, or ``prefix_alpha != 0``) gets the self-contained ``megapost/hf_remote`` files copied into
-the directory (``trust_remote_code=True``). Parameter names are Llama's in both. Import reads a Llama
+Export: Pre-Norm without extras (no prefix-averaging term, no QK-norm) is exactly ``LlamaForCausalLM``;
+every other model (any other placement of ``megapost.model.placements``, ``--qk-norm``, or
+``prefix_alpha != 0``) gets the self-contained ``megapost/hf_remote`` files copied into the directory
+(``trust_remote_code=True``), and its config.json carries the per-layer sublayer rules computed here
+from megapost's placement table, so the remote code runs one generic formula. Parameter names are
+Llama's in both (plus names for the modules Llama lacks: ``to_hf_name``). Import reads a Llama
 directory's safetensors, each rank only its slices.
 """
 
@@ -30,19 +33,24 @@ MAX_SHARD_BYTES = 5 * 1024**3
 _LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj",
           "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-          "mlp_norm": "post_attention_layernorm"}
-_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "head.final_norm.weight":
-        "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
+          "mlp_norm": "post_attention_layernorm", "attention_out_norm": "attn_output_layernorm",
+          "mlp_out_norm": "mlp_output_layernorm", "attention.q_norm": "self_attn.q_norm",
+          "attention.k_norm": "self_attn.k_norm", "attention.v_norm": "self_attn.v_norm"}
+_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "embedding.scale": "model.embed_scale", "head.final_norm.weight": "model.norm.weight",
+        "head.final_norm.alpha": "model.norm.alpha", "head.lm_head.weight": "lm_head.weight"}
 
 
 def to_hf_name(name: str) -> str:
-    """``LlamaModel`` parameter name -> Hugging Face Llama name."""
+    """``LlamaModel`` parameter name -> Hugging Face name: Llama's, and for the modules Llama lacks
+    ``attn_output_layernorm`` / ``mlp_output_layernorm`` (sandwich output norms), ``self_attn.q_norm``
+    / ``k_norm`` / ``v_norm`` (head norms), ``<norm>.alpha`` (DyT) and ``model.embed_scale`` (DyT)."""
     if name in _TOP:
         return _TOP[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|alpha)", name)
     if not m or m.group(2) not in _LAYER:
         raise KeyError(f"no Hugging Face name for {name}")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
 
 
 def num_kv_heads(cfg: Any) -> int:
@@ -50,7 +58,17 @@ def num_kv_heads(cfg: Any) -> int:
 
 
 def uses_llama(cfg: ModelConfig) -> bool:
-    return cfg.norm_position == "pre" and not cfg.prefix_alpha
+    """Whether ``LlamaForCausalLM`` computes this model (Pre-Norm without extras)."""
+    return cfg.norm_position == "pre" and not cfg.prefix_alpha and not cfg.qk_norm
+
+
+def remote_layout(cfg: ModelConfig) -> dict[str, Any]:
+    """The norm placement as the remote code reads it: every layer's (attention, mlp) rules from
+    megapost's table, the norm kind, the final norm, QK-norm and the embedding scale."""
+    rules = [cfg.rules(n) for n in range(1, cfg.num_layers + 1)]
+    return {"layer_rules": [{"attention": asdict(attn), "mlp": asdict(mlp)} for attn, mlp in rules],
+            "norm_kind": cfg.norm_kind, "final_norm": cfg.final_norm, "qk_norm": cfg.qk_norm,
+            "embedding_scale": cfg.norm_kind == "dyt", "dyt_alpha_init": list(cfg.dyt_alpha_init)}
 
 
 def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
@@ -69,7 +87,7 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                 "rope_theta": cfg.rope_theta, "use_cache": True}  # rope_theta: for transformers 4.x
     return {**common, "architectures": ["MegapostForCausalLM"], "model_type": "megapost",
-            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha,
+            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha, **remote_layout(cfg),
             "rope_theta": cfg.rope_theta,
             "use_cache": False, "auto_map": {"AutoConfig": "configuration_megapost.MegapostConfig",
                                              "AutoModelForCausalLM": "modeling_megapost.MegapostForCausalLM"}}
