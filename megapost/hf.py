@@ -6,7 +6,7 @@ every other model (any other placement of ``megapost.model.placements``, ``--qk-
 (``trust_remote_code=True``), and its config.json carries the per-layer sublayer rules computed here
 from megapost's placement table, so the remote code runs one generic formula. Parameter names are
 Llama's in both (plus names for the modules Llama lacks: ``to_hf_name``). Import reads a Llama
-directory's safetensors, each rank only its slices.
+directory's safetensors (or a megapost export's, any placement), each rank only its slices.
 """
 
 from __future__ import annotations
@@ -172,13 +172,13 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 
 def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
-    """megapost model flags (argparse dests) for a Hugging Face Llama config; refuses, in one line,
-    what megapost's model cannot represent."""
+    """megapost model flags (argparse dests) for a Hugging Face Llama config or a megapost export's;
+    refuses, in one line, what megapost's model cannot represent."""
     c = read_hf_config(hf_dir)
     where = f"--load-hf {hf_dir}"
-    if c.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama'; only Llama "
-                          "checkpoints can be imported")
+    if c.get("model_type") not in ("llama", "megapost"):
+        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama' or 'megapost'; only "
+                          "Llama checkpoints and megapost exports can be imported")
     rope = c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default") if rope else (c.get("rope_scaling") or {}).get("rope_type",
                                                                                                 "default")
@@ -206,7 +206,40 @@ def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
              "hf_vocab_size": c["vocab_size"]}
     if kv != c["num_attention_heads"]:
         flags["num_query_groups"] = kv
+    if c["model_type"] == "megapost":
+        flags.update(_placement_flags(c, where))
     return flags
+
+
+_PLACEMENT_FLAGS = ("norm_position", "mix_post_fraction", "dyt_alpha_init", "qk_norm", "prefix_alpha")
+
+
+def _placement_flags(c: dict[str, Any], where: str) -> dict[str, Any]:
+    """A megapost export's placement flags; its explicit layout must be what megapost's table gives."""
+    mp = c.get("megapost_config") or {"norm_position": c.get("norm_position"),
+                                      "prefix_alpha": c.get("prefix_alpha", 0.0)}
+    flags = {k: mp[k] for k in _PLACEMENT_FLAGS if k in mp}
+    if "dyt_alpha_init" in flags:
+        flags["dyt_alpha_init"] = tuple(flags["dyt_alpha_init"])
+    try:
+        cfg = ModelConfig(vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
+                          hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+                          **flags)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: config.json's megapost placement is not one megapost builds ({e}); "
+                          "re-export the model with tools/convert_to_hf.py") from None
+    if "layer_rules" in c:
+        ours = remote_layout(cfg)
+        differ = [k for k in ours if k != "dyt_alpha_init" and _jsonish(c.get(k)) != _jsonish(ours[k])]
+        if differ:
+            raise ConfigError(f"{where}: config.json's {', '.join(differ)} differ from what megapost's "
+                              f"--norm-position {cfg.norm_position} gives; megapost imports only layouts "
+                              "of its own placement table")
+    return flags
+
+
+def _jsonish(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _has_gqa() -> bool:
