@@ -140,3 +140,34 @@ def test_edited_rules_are_refused(tiny_data, tmp_path) -> None:
     assert message == (f"error: --load-hf {out}: config.json's layer_rules differ from what megapost's "
                        "--norm-position sandwich gives; megapost imports only layouts of its own placement "
                        "table")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dyt", "hybrid-gqa-prefix"])
+def test_load_hf_megapost_export_round_trip_tp2(tiny_data, tmp_path, case) -> None:
+    """megapost -> HF -> ``--load-hf`` at TP=2 (one step at lr 0) -> HF: identical tensors."""
+    import subprocess
+    import sys
+
+    from launch_utils import REPO, pretrain, tiny_model_flags
+    from safetensors.torch import load_file
+
+    model, cfg = _model(tiny_data.vocab_size, **CASES[case])
+    src = _export(model, cfg, tiny_data.tokenizer_model, tmp_path / "src")
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    model_flags = {f: None for f in ("--num-layers", "--hidden-size", "--ffn-hidden-size",
+                                     "--num-attention-heads")}  # from the export's config.json
+    flags = tiny_model_flags(tiny_data, **{"--load-hf": src, "--train-iters": 1, "--lr": 0, "--save": ckpt,
+                                           "--tensor-model-parallel-size": 2, "--zero-stage": 1,
+                                           "--peak-tflops": 1, **model_flags})
+    out = pretrain(flags, nprocs=2, timeout=900)
+    assert f"loaded the weights of {src}" in out.stdout and f"norm={cfg.norm_position}" in out.stdout
+    cmd = [sys.executable, "tools/convert_to_hf.py", "--load", str(ckpt), "--output", str(back)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    original = load_file(str(src / "model.safetensors"))
+    round_trip = load_file(str(back / "model.safetensors"))
+    assert original.keys() == round_trip.keys()
+    assert all(torch.equal(original[k], round_trip[k]) for k in original)
+    assert json.loads((back / "config.json").read_text())["layer_rules"] == \
+        json.loads((src / "config.json").read_text())["layer_rules"]
