@@ -284,10 +284,14 @@ class HFReader:
                               "(pickled .bin weights are not read: save the model with safetensors)")
         self.hf_dir = hf_dir
 
-    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+    def _key(self, name: str) -> str:
         key = to_hf_name(name)
         if key not in self.files:
             raise ConfigError(f"--load-hf {self.hf_dir}: tensor {key} is missing")
+        return key
+
+    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        key = self._key(name)
         with safe_open(self.files[key], framework="pt") as f:
             sl = f.get_slice(key)
             if dim is None:
@@ -297,7 +301,7 @@ class HFReader:
             return sl[tuple(index)]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        key = to_hf_name(name)
+        key = self._key(name)
         with safe_open(self.files[key], framework="pt") as f:
             return tuple(f.get_slice(key).get_shape())
 

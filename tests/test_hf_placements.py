@@ -171,3 +171,13 @@ def test_load_hf_megapost_export_round_trip_tp2(tiny_data, tmp_path, case) -> No
     assert all(torch.equal(original[k], round_trip[k]) for k in original)
     assert json.loads((back / "config.json").read_text())["layer_rules"] == \
         json.loads((src / "config.json").read_text())["layer_rules"]
+
+
+def test_missing_tensor_is_named(tiny_data, tmp_path) -> None:
+    """A Llama directory lacks what ``--qk-norm`` would read: one line naming the tensor."""
+    model, cfg = _model(tiny_data.vocab_size, norm_position="pre")
+    out = _export(model, cfg, tiny_data.tokenizer_model, tmp_path / "llama")
+    with pytest.raises(ConfigError) as e:
+        HFReader(str(out)).shape("layers.0.attention.q_norm.weight")
+    missing = "model.layers.0.self_attn.q_norm.weight"
+    assert str(e.value.code) == f"error: --load-hf {out}: tensor {missing} is missing"
