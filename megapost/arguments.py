@@ -113,7 +113,7 @@ def _io_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", help="checkpoint directory")
     g.add_argument("--load", help="resume from this checkpoint directory (latest tag), saved at any layout")
     g.add_argument("--load-hf", help="start from the weights of a Hugging Face Llama directory "
-                   "(safetensors); fills the model flags from its config.json")
+                   "or a megapost export (safetensors); fills the model flags from its config.json")
     g.add_argument("--save-interval", type=int, default=0)
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4)

@@ -1,9 +1,12 @@
 """Hugging Face ``transformers`` interchange: export a megapost model directory, import a Llama one.
 
-Export: Pre-Norm without the prefix-averaging term is exactly ``LlamaForCausalLM``; every other model
-(Post-Norm, or ``prefix_alpha != 0``) gets the self-contained ``megapost/hf_remote`` files copied into
-the directory (``trust_remote_code=True``). Parameter names are Llama's in both. Import reads a Llama
-directory's safetensors, each rank only its slices.
+Export: Pre-Norm without extras (no prefix-averaging term, no QK-norm) is exactly ``LlamaForCausalLM``;
+every other model (any other placement of ``megapost.model.placements``, ``--qk-norm``, or
+``prefix_alpha != 0``) gets the self-contained ``megapost/hf_remote`` files copied into the directory
+(``trust_remote_code=True``), and its config.json carries the per-layer sublayer rules computed here
+from megapost's placement table, so the remote code runs one generic formula. Parameter names are
+Llama's in both (plus names for the modules Llama lacks: ``to_hf_name``). Import reads a Llama
+directory's safetensors (or a megapost export's, any placement), each rank only its slices.
 """
 
 from __future__ import annotations
@@ -30,19 +33,24 @@ MAX_SHARD_BYTES = 5 * 1024**3
 _LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj",
           "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-          "mlp_norm": "post_attention_layernorm"}
-_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "head.final_norm.weight":
-        "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
+          "mlp_norm": "post_attention_layernorm", "attention_out_norm": "attn_output_layernorm",
+          "mlp_out_norm": "mlp_output_layernorm", "attention.q_norm": "self_attn.q_norm",
+          "attention.k_norm": "self_attn.k_norm", "attention.v_norm": "self_attn.v_norm"}
+_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "embedding.scale": "model.embed_scale", "head.final_norm.weight": "model.norm.weight",
+        "head.final_norm.alpha": "model.norm.alpha", "head.lm_head.weight": "lm_head.weight"}
 
 
 def to_hf_name(name: str) -> str:
-    """``LlamaModel`` parameter name -> Hugging Face Llama name."""
+    """``LlamaModel`` parameter name -> Hugging Face name: Llama's, and for the modules Llama lacks
+    ``attn_output_layernorm`` / ``mlp_output_layernorm`` (sandwich output norms), ``self_attn.q_norm``
+    / ``k_norm`` / ``v_norm`` (head norms), ``<norm>.alpha`` (DyT) and ``model.embed_scale`` (DyT)."""
     if name in _TOP:
         return _TOP[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|alpha)", name)
     if not m or m.group(2) not in _LAYER:
         raise KeyError(f"no Hugging Face name for {name}")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
 
 
 def num_kv_heads(cfg: Any) -> int:
@@ -50,7 +58,17 @@ def num_kv_heads(cfg: Any) -> int:
 
 
 def uses_llama(cfg: ModelConfig) -> bool:
-    return cfg.norm_position == "pre" and not cfg.prefix_alpha
+    """Whether ``LlamaForCausalLM`` computes this model (Pre-Norm without extras)."""
+    return cfg.norm_position == "pre" and not cfg.prefix_alpha and not cfg.qk_norm
+
+
+def remote_layout(cfg: ModelConfig) -> dict[str, Any]:
+    """The norm placement as the remote code reads it: every layer's (attention, mlp) rules from
+    megapost's table, the norm kind, the final norm, QK-norm and the embedding scale."""
+    rules = [cfg.rules(n) for n in range(1, cfg.num_layers + 1)]
+    return {"layer_rules": [{"attention": asdict(attn), "mlp": asdict(mlp)} for attn, mlp in rules],
+            "norm_kind": cfg.norm_kind, "final_norm": cfg.final_norm, "qk_norm": cfg.qk_norm,
+            "embedding_scale": cfg.norm_kind == "dyt", "dyt_alpha_init": list(cfg.dyt_alpha_init)}
 
 
 def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
@@ -69,7 +87,7 @@ def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                 "rope_theta": cfg.rope_theta, "use_cache": True}  # rope_theta: for transformers 4.x
     return {**common, "architectures": ["MegapostForCausalLM"], "model_type": "megapost",
-            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha,
+            "norm_position": cfg.norm_position, "prefix_alpha": cfg.prefix_alpha, **remote_layout(cfg),
             "rope_theta": cfg.rope_theta,
             "use_cache": False, "auto_map": {"AutoConfig": "configuration_megapost.MegapostConfig",
                                              "AutoModelForCausalLM": "modeling_megapost.MegapostForCausalLM"}}
@@ -154,13 +172,13 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 
 def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
-    """megapost model flags (argparse dests) for a Hugging Face Llama config; refuses, in one line,
-    what megapost's model cannot represent."""
+    """megapost model flags (argparse dests) for a Hugging Face Llama config or a megapost export's;
+    refuses, in one line, what megapost's model cannot represent."""
     c = read_hf_config(hf_dir)
     where = f"--load-hf {hf_dir}"
-    if c.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama'; only Llama "
-                          "checkpoints can be imported")
+    if c.get("model_type") not in ("llama", "megapost"):
+        raise ConfigError(f"{where}: model_type {c.get('model_type')!r} is not 'llama' or 'megapost'; only "
+                          "Llama checkpoints and megapost exports can be imported")
     rope = c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default") if rope else (c.get("rope_scaling") or {}).get("rope_type",
                                                                                                 "default")
@@ -188,7 +206,40 @@ def model_flags_from_hf(hf_dir: str) -> dict[str, Any]:
              "hf_vocab_size": c["vocab_size"]}
     if kv != c["num_attention_heads"]:
         flags["num_query_groups"] = kv
+    if c["model_type"] == "megapost":
+        flags.update(_placement_flags(c, where))
     return flags
+
+
+_PLACEMENT_FLAGS = ("norm_position", "mix_post_fraction", "dyt_alpha_init", "qk_norm", "prefix_alpha")
+
+
+def _placement_flags(c: dict[str, Any], where: str) -> dict[str, Any]:
+    """A megapost export's placement flags; its explicit layout must be what megapost's table gives."""
+    mp = c.get("megapost_config") or {"norm_position": c.get("norm_position"),
+                                      "prefix_alpha": c.get("prefix_alpha", 0.0)}
+    flags = {k: mp[k] for k in _PLACEMENT_FLAGS if k in mp}
+    if "dyt_alpha_init" in flags:
+        flags["dyt_alpha_init"] = tuple(flags["dyt_alpha_init"])
+    try:
+        cfg = ModelConfig(vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
+                          hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+                          **flags)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: config.json's megapost placement is not one megapost builds ({e}); "
+                          "re-export the model with tools/convert_to_hf.py") from None
+    if "layer_rules" in c:
+        ours = remote_layout(cfg)
+        differ = [k for k in ours if k != "dyt_alpha_init" and _jsonish(c.get(k)) != _jsonish(ours[k])]
+        if differ:
+            raise ConfigError(f"{where}: config.json's {', '.join(differ)} differ from what megapost's "
+                              f"--norm-position {cfg.norm_position} gives; megapost imports only layouts "
+                              "of its own placement table")
+    return flags
+
+
+def _jsonish(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _has_gqa() -> bool:
@@ -233,10 +284,14 @@ class HFReader:
                               "(pickled .bin weights are not read: save the model with safetensors)")
         self.hf_dir = hf_dir
 
-    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+    def _key(self, name: str) -> str:
         key = to_hf_name(name)
         if key not in self.files:
             raise ConfigError(f"--load-hf {self.hf_dir}: tensor {key} is missing")
+        return key
+
+    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        key = self._key(name)
         with safe_open(self.files[key], framework="pt") as f:
             sl = f.get_slice(key)
             if dim is None:
@@ -246,7 +301,7 @@ class HFReader:
             return sl[tuple(index)]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        key = to_hf_name(name)
+        key = self._key(name)
         with safe_open(self.files[key], framework="pt") as f:
             return tuple(f.get_slice(key).get_shape())
 

@@ -2,8 +2,9 @@
 
     python tools/convert_to_hf.py --load CKPT_DIR [--iteration N] --output HF_DIR [--tokenizer-model M]
 
-Reads the tag's layout-free state (safetensors only). Pre-Norm -> ``LlamaForCausalLM``; Post-Norm or
-``--prefix-alpha != 0`` -> a self-contained model loaded with ``trust_remote_code=True``.
+Reads the tag's layout-free state (safetensors only). Pre-Norm without extras -> ``LlamaForCausalLM``;
+any other placement, ``--qk-norm`` or ``--prefix-alpha != 0`` -> a self-contained model loaded with
+``trust_remote_code=True`` (its config.json spells out every sublayer's norm rule).
 """
 
 from __future__ import annotations
