@@ -68,7 +68,7 @@ def remote_layout(cfg: ModelConfig) -> dict[str, Any]:
     rules = [cfg.rules(n) for n in range(1, cfg.num_layers + 1)]
     return {"layer_rules": [{"attention": asdict(attn), "mlp": asdict(mlp)} for attn, mlp in rules],
             "norm_kind": cfg.norm_kind, "final_norm": cfg.final_norm, "qk_norm": cfg.qk_norm,
-            "embedding_scale": cfg.norm_kind == "dyt", "dyt_alpha_init": list(cfg.dyt_alpha_init)}
+            "embedding_scale": cfg.embedding_scale, "dyt_alpha_init": list(cfg.dyt_alpha_init)}
 
 
 def hf_config(cfg: ModelConfig, bos: int, eos: int) -> dict[str, Any]:

@@ -69,6 +69,11 @@ class ModelConfig:
         return norm_kind(self.norm_position)
 
     @property
+    def embedding_scale(self) -> bool:
+        """Whether the embedding output is multiplied by a learned scalar (DyT's LLaMA recipe)."""
+        return self.norm_kind == "dyt"
+
+    @property
     def norm_parameters(self) -> int:
         """Parameters of one residual-stream norm: RMSNorm's gain, or DyT's gain and scalar."""
         return self.hidden_size + 1 if self.norm_kind == "dyt" else self.hidden_size
@@ -99,7 +104,7 @@ class ModelConfig:
         """Exact parameter counts by part (embedding and head untied; RMSNorm gains, no biases)."""
         d, v = self.hidden_size, self.vocab_size
         return {
-            "embedding": v * d + (1 if self.norm_kind == "dyt" else 0),  # DyT: the embedding scalar
+            "embedding": v * d + int(self.embedding_scale),
             "head": v * d,
             "layers": sum(self._layer_matmul_weights() + self.layer_norm_parameters(n)
                           for n in range(1, self.num_layers + 1)),

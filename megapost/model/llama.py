@@ -21,7 +21,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.scale = (nn.Parameter(torch.full((1,), math.sqrt(cfg.hidden_size)))
-                      if cfg.norm_kind == "dyt" else None)
+                      if cfg.embedding_scale else None)
         self.probe = Probe(("embed",))
         init_embedding_(self.word_embeddings.weight, cfg, cfg.seed)
 
