@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from collapse_helpers import make_plugin, random_batches, run_step, small_config
+from collapse_metrics.table import SUB
 from collapse_metrics.transition import TransitionConfig, TransitionDetector
 from collapse_metrics.writers import JSONL_NAME
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -139,8 +140,9 @@ def test_transition_detector(tsim_jump, loss_jump, flagged):
 def test_transition_flag_reaches_outputs(tmp_path, capsys):
     plugin = make_plugin(small_config("post"), "--collapse-transition-warmup", "3", tb_dir=str(tmp_path))
     for step, (t, loss) in enumerate([(0.30, 4.0), (0.31, 3.9), (0.30, 3.85), (0.31, 3.8), (0.9, 6.0)], 1):
-        reduced = {"sub": torch.zeros(3, 2, 13), "rms_ext": torch.zeros(3, 2, 2), "grad": torch.zeros(3, 5),
-                   "site": torch.tensor([[0.0, 0.0], [t, 1.0]]), "labels": torch.zeros(40),
+        reduced = {"sub": torch.zeros(3, 2, len(SUB)), "rms_ext": torch.zeros(3, 2, 2),
+                   "grad": torch.zeros(3, 5), "site": torch.tensor([[0.0, 0.0], [t, 1.0]]),
+                   "labels": torch.zeros(40),
                    "label_seq": torch.zeros(2), "loss": torch.tensor([loss, 1.0])}
         plugin._finish(step, reduced)
     plugin.close()
