@@ -152,14 +152,15 @@ def explicit_tsim(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([(pi @ s).square().sum() / s.square().sum() for s in x])
 
 
-def reference(model: LlamaModel, batches: Sequence[Batch]) -> dict[str, Any]:
+def reference(model: LlamaModel, batches: Sequence[Batch],
+              loss_fn: Callable[..., torch.Tensor] = lm_loss) -> dict[str, Any]:
     """Expected metrics of one step on ``batches`` (means over all sequences/tokens, pooled alpha)."""
     d = model.config.hidden_size
     acc: dict[Any, dict[str, list]] = {}
     sq: dict[Any, list[float]] = {}
     for batch in batches:
         logits, acts = manual_forward(model, batch["tokens"])
-        loss = lm_loss(logits, batch["labels"], batch["loss_mask"]) / len(batches)
+        loss = loss_fn(logits, batch["labels"], batch["loss_mask"]) / len(batches)
         keys = [key for key in acts if isinstance(key, tuple)]
         inputs = [acts[key][t] for key in keys for t in ("x", "y")]
         needed = [t for t in inputs if t.requires_grad]

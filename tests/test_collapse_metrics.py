@@ -22,7 +22,7 @@ from collapse_metrics.similarity import tsim
 from collapse_metrics.table import parse_layers
 from torch.utils.checkpoint import checkpoint
 
-from megapost.model import LlamaModel, Probe, set_listener
+from megapost.model import LlamaModel, Probe, lm_loss, set_listener
 from megapost.model.placements import PLACEMENTS
 from megapost.parallel.activation_checkpoint import checkpoint_without_probes, silent_listener
 
@@ -123,6 +123,27 @@ def test_every_placement_matches_brute_force(norm, changes):
     armed = norm in ("post", "deepnorm") or changes.get("mix_post_fraction") == 1.0
     assert (plugin.warning is not None) == armed
     assert isinstance(plugin.last["step_record"]["collapsed"], bool)
+
+
+def test_z_loss_enters_the_gradients_not_the_loss():
+    """--z-loss: alpha and the grad norms follow the gradient of CE + coef log^2 Z; the loss beside the
+    frequency loss stays the cross-entropy."""
+    cfg = small_config("sandwich")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg)
+    batches = random_batches(cfg, 2, batch=2, seed=9)
+    z_fn = partial(lm_loss, z_loss=0.5)
+    ref, plain = reference(model, batches, z_fn), reference(model, batches)
+    with torch.no_grad():
+        ce = sum(float(lm_loss(model(b["tokens"]), b["labels"], b["loss_mask"])) for b in batches) / 2
+    grads = {}
+    run_step(plugin, model, 1, batches, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=z_fn,
+             on_grads=lambda: grads.update(grad_norms(model)))
+    check_against_reference(plugin, ref, grads)
+    assert plugin.last["step_record"]["loss"] == pytest.approx(ce, rel=1e-6)
+    head = records_by_key(plugin.last["layers"])[(cfg.num_layers, 1)]["alpha"]
+    assert abs(head - plain[(cfg.num_layers, 1)]["alpha"]) > 1e-4 * head  # the z-term moved the gradient
 
 
 def _blockwise(model, tokens, wrap):
