@@ -122,6 +122,7 @@ def test_every_placement_matches_brute_force(norm, changes):
         assert rec["grad_norm_norms"] > 0
     armed = norm in ("post", "deepnorm") or changes.get("mix_post_fraction") == 1.0
     assert (plugin.warning is not None) == armed
+    assert (plugin.last["step_record"]["early_warning"] is None) == (not armed)
     assert isinstance(plugin.last["step_record"]["collapsed"], bool)
 
 
