@@ -3,11 +3,13 @@
 On every measured step (``--collapse-interval``; step 0 with ``--collapse-at-init``), from the step's
 own training micro-batches (no extra forward or backward), per selected layer l and sublayer k:
 t_sim of X_k^l, Y_k^l and the normalised output, the residual norm mean_i ||y_i||, the RMS factor
-sqrt(d)/||u_i|| of the norm input (mean/min/max), alpha_k^l = ||dL/dX_k^l||_F / ||dL/dY_k^l||_F
-(squared norms pooled over micro-batches and ranks), c = alpha * mean RMS factor, and the layer's
-parameter-gradient norms before the optimizer step; per step t_sim of the embeddings and of X^H, the
-loss beside the frequency loss of the same labels (aggregated, per-sequence, running), and a
-transition flag (``transition.py``). Nothing is attached on other steps.
+sqrt(d)/||u_i|| of the norm input (mean/min/max; null without a residual-stream RMSNorm),
+alpha_k^l = ||dL/dX_k^l||_F / ||dL/dY_k^l||_F (squared norms pooled over micro-batches and ranks),
+c = alpha * mean RMS factor, and the layer's parameter-gradient norms before the optimizer step; per
+step t_sim of the embeddings and of X^H, the loss beside the frequency loss of the same labels
+(aggregated, per-sequence, running), and a transition flag (``transition.py``). Nothing is attached on
+other steps. What each quantity is under every ``--norm-position``, and where it is null:
+docs/placements.md.
 
 Rank roles: probes are listened to where the residual stream is not a replica (every rank under
 sequence parallelism, else tensor-parallel rank 0); labels are counted on tensor-parallel rank 0 of
