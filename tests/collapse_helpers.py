@@ -12,6 +12,7 @@ import torch
 from collapse_metrics.plugin import CollapseMetricsPlugin
 
 from megapost.model import LlamaModel, ModelConfig, lm_loss
+from megapost.model.norm import DyT, RMSNorm
 from megapost.parallel.state import ParallelState
 from megapost.plugins import PluginContext
 
@@ -83,19 +84,60 @@ def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, b
 
 
 # ---- explicit reference ----------------------------------------------------------------------------
+def sublayer_form(cfg: ModelConfig, layer: int, k: int) -> str:
+    """The paper's form of sublayer k (0 attention, 1 FFN) of 1-based ``layer`` (docs/placements.md),
+    written from the papers, independently of megapost.model.placements."""
+    p = cfg.norm_position
+    if p == "mix":  # Mix-LN: Post-Norm in layers 1..floor(rho L), Pre-Norm after
+        return "post" if layer <= math.floor(cfg.mix_post_fraction * cfg.num_layers + 1e-9) else "pre"
+    if p == "hybrid":  # HybridNorm: QKV-normed attention, then a Post-Norm; FFN without a norm
+        return ("hybrid-attn", "plain")[k]
+    return p
+
+
+def expects_final_norm(cfg: ModelConfig) -> bool:
+    """A final norm unless the last sublayer normalises its residual sum (post, deepnorm, all-Post mix)."""
+    return sublayer_form(cfg, cfg.num_layers, 1) not in ("post", "deepnorm")
+
+
 def manual_forward(model: LlamaModel, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[Any, dict]]:
-    """Logits and every intermediate (X_k, Y_k, out, norm input) of the block dataflow, retained."""
-    post = model.config.norm_position == "post"
+    """Logits and every intermediate of the block dataflow, retained: X_k, Y_k, the normalised output
+    ``out`` (None unless the stream is normalised after the add) and ``u``, the input of the sublayer's
+    residual-stream RMSNorm (None without one: hybrid's FFN, every DyT sublayer). F, N are the block's
+    own attention / FFN / norm modules; the dataflow around them is the papers' (docs/placements.md)."""
+    cfg = model.config
     acts: dict[Any, dict] = {}
     x = model.embedding.word_embeddings(tokens)
+    if cfg.norm_position == "dyt":  # DyT's LLaMA: embedding times a learned scalar
+        x = x * model.embedding.scale
     acts["embed"] = {"x": x}
     for block in model.layers:
-        sublayers = ((block.attention, block.attention_norm), (block.mlp, block.mlp_norm))
-        for k, (fn, norm) in enumerate(sublayers):
-            y = x + fn(x) if post else x + fn(norm(x))
-            out = norm(y) if post else None
-            acts[(block.layer_number, k)] = {"x": x, "y": y, "out": out, "u": y if post else x}
-            x = out if post else y
+        l = block.layer_number  # noqa: E741
+        sublayers = ((block.attention, block.attention_norm, block.attention_out_norm),
+                     (block.mlp, block.mlp_norm, block.mlp_out_norm))
+        for k, (fn, norm, out_norm) in enumerate(sublayers):
+            form, out = sublayer_form(cfg, l, k), None
+            if form in ("post", "hybrid-attn"):  # Y = X + F(X); out = N(Y)
+                y = x + fn(x)
+                out, u = norm(y), y
+            elif form == "deepnorm":  # out = N(alpha X + F(X)), alpha = (2L)^(1/4)
+                y = (2.0 * cfg.num_layers) ** 0.25 * x + fn(x)
+                out, u = norm(y), y
+            elif form in ("pre", "dyt"):  # Y = X + F(N(X))
+                y, u = x + fn(norm(x)), x
+            elif form == "pre-scaled":  # Y = X + F(N(X) / sqrt(l))
+                y, u = x + fn(norm(x) / math.sqrt(l)), x
+            elif form == "sandwich":  # Y = X + N_out(F(N_in(X)))
+                y, u = x + out_norm(fn(norm(x))), x
+            elif form == "plain":  # Y = X + F(X)
+                y, u = x + fn(x), None
+            else:
+                raise AssertionError(form)
+            if cfg.norm_position == "dyt":
+                u = None  # no RMS factor: DyT is not an RMS normalisation
+            acts[(l, k)] = {"x": x, "y": y, "out": out, "u": u}
+            x = y if out is None else out
+    assert (model.head.final_norm is not None) == expects_final_norm(cfg)
     if model.head.final_norm is not None:
         x = model.head.final_norm(x)
     acts["head"] = {"x": x}
@@ -110,14 +152,15 @@ def explicit_tsim(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([(pi @ s).square().sum() / s.square().sum() for s in x])
 
 
-def reference(model: LlamaModel, batches: Sequence[Batch]) -> dict[str, Any]:
+def reference(model: LlamaModel, batches: Sequence[Batch],
+              loss_fn: Callable[..., torch.Tensor] = lm_loss) -> dict[str, Any]:
     """Expected metrics of one step on ``batches`` (means over all sequences/tokens, pooled alpha)."""
     d = model.config.hidden_size
     acc: dict[Any, dict[str, list]] = {}
     sq: dict[Any, list[float]] = {}
     for batch in batches:
         logits, acts = manual_forward(model, batch["tokens"])
-        loss = lm_loss(logits, batch["labels"], batch["loss_mask"]) / len(batches)
+        loss = loss_fn(logits, batch["labels"], batch["loss_mask"]) / len(batches)
         keys = [key for key in acts if isinstance(key, tuple)]
         inputs = [acts[key][t] for key in keys for t in ("x", "y")]
         needed = [t for t in inputs if t.requires_grad]
@@ -142,26 +185,33 @@ def reference(model: LlamaModel, batches: Sequence[Batch]) -> dict[str, Any]:
         if not isinstance(key, tuple):
             out[key] = float(cat["t_x"].mean())
             continue
-        rms = math.sqrt(d) / cat["norm_u"]
+        rms = math.sqrt(d) / cat["norm_u"] if "norm_u" in cat else None
         alpha = math.sqrt(sq[key][0] / sq[key][1])
         out[key] = {
             "t_sim_x": float(cat["t_x"].mean()), "t_sim_y": float(cat["t_y"].mean()),
             "t_sim_out": float(cat["t_out"].mean()) if "t_out" in cat else None,
-            "resid_norm": float(cat["norm_y"].mean()), "rms_factor_mean": float(rms.mean()),
-            "rms_factor_min": float(rms.min()), "rms_factor_max": float(rms.max()),
-            "alpha": alpha, "c": alpha * float(rms.mean()),
+            "resid_norm": float(cat["norm_y"].mean()),
+            "rms_factor_mean": None if rms is None else float(rms.mean()),
+            "rms_factor_min": None if rms is None else float(rms.min()),
+            "rms_factor_max": None if rms is None else float(rms.max()),
+            "alpha": alpha, "c": None if rms is None else alpha * float(rms.mean()),
         }
     return out
 
 
 def grad_norms(model: LlamaModel) -> dict[int, dict[str, float]]:
-    """Per-layer ||grad|| of all, attention, FFN and norm parameters from ``.grad`` (call before step)."""
+    """Per-layer ||grad|| of all, attention, FFN and norm parameters from ``.grad`` (call before step).
+    Norms: the parameters of every RMSNorm / DyT module of the block (found by type, not by name)."""
     out = {}
     for block in model.layers:
         groups: dict[str, float] = {"attn": 0.0, "ffn": 0.0, "norms": 0.0}
-        for name, p in block.named_parameters():
-            key = {"attention": "attn", "mlp": "ffn"}.get(name.split(".")[0], "norms")
-            groups[key] += float(p.grad.double().square().sum())
+        for mod_name, module in block.named_modules():
+            for p in module.parameters(recurse=False):
+                if isinstance(module, RMSNorm | DyT):
+                    key = "norms"
+                else:
+                    key = {"attention": "attn", "mlp": "ffn"}[mod_name.split(".")[0]]
+                groups[key] += float(p.grad.double().square().sum())
         out[block.layer_number] = {k: math.sqrt(v) for k, v in groups.items()} | {
             "layer": math.sqrt(sum(groups.values()))}
     return out

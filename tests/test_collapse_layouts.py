@@ -55,6 +55,35 @@ def test_layout_matches_single_process(tiny_data, tmp_path_factory, layout):
                 assert got[key][field] == value, (layout, key, field)
 
 
+PLACEMENT_LAYOUTS = {  # placement flags checked at TP=2 with sequence parallelism against one process
+    "hybrid": {"--norm-position": "hybrid"},  # null RMS factor (FFN), q/k/v head-norm gains under TP
+    "dyt-qk-norm": {"--norm-position": "dyt", "--qk-norm": True},  # no RMS factor at all; DyT scalars
+    "sandwich": {"--norm-position": "sandwich"},  # output norms
+    "deepnorm": {"--norm-position": "deepnorm"},  # scaled residual
+}
+
+
+@pytest.mark.parametrize("placement", [
+    pytest.param(name, marks=[] if name == "hybrid" else [pytest.mark.slow]) for name in PLACEMENT_LAYOUTS])
+def test_placement_metrics_match_single_process_under_tp_sp(tiny_data, tmp_path_factory, placement):
+    """Every metric of a non-Post/Pre placement at TP=2+SP equals the one-process run, nulls included."""
+    tmp = tmp_path_factory.mktemp(f"collapse-{placement}")
+    flags = PLACEMENT_LAYOUTS[placement]
+    ref = records(train(tiny_data, tmp, f"{placement}-single", **flags))
+    nprocs, layout = LAYOUTS["tp2-sp"]
+    got = records(train(tiny_data, tmp, f"{placement}-tp2-sp", nprocs, **flags, **layout))
+    assert got.keys() == ref.keys()
+    for key, want in ref.items():
+        for field, value in want.items():
+            if isinstance(value, float):
+                assert_close(got[key][field], value, REL, f"{placement} {key} {field}")
+            else:
+                assert got[key][field] == value, (placement, key, field)
+    if placement == "hybrid":
+        assert all(r["rms_factor_mean"] is None for k, r in ref.items() if k[2] == "ffn")
+        assert all(r["rms_factor_mean"] > 0 for k, r in ref.items() if k[2] == "attn")
+
+
 def test_single_process_run_outputs(tiny_data, tmp_path_factory):
     tb = train(tiny_data, tmp_path_factory.mktemp("collapse-layouts"), "single")
     recs = records(tb)

@@ -1,5 +1,5 @@
-"""Collapse metrics against brute force on a 3-layer d=32 model (both norm placements, MHA and GQA), one
-process."""
+"""Collapse metrics against brute force on a 3-layer d=32 model (every norm placement and --qk-norm; MHA and
+GQA), one process."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from collapse_metrics.similarity import tsim
 from collapse_metrics.table import parse_layers
 from torch.utils.checkpoint import checkpoint
 
-from megapost.model import LlamaModel, Probe, set_listener
+from megapost.model import LlamaModel, Probe, lm_loss, set_listener
+from megapost.model.placements import PLACEMENTS
 from megapost.parallel.activation_checkpoint import checkpoint_without_probes, silent_listener
 
 FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
@@ -66,6 +67,84 @@ def test_step_matches_brute_force(norm, groups):
         assert all(r["t_sim_out"] is None for r in plugin.last["layers"])
     alphas = [r["alpha"] for r in plugin.last["layers"]]
     assert all(a is not None and 0 < a < 10 for a in alphas)
+
+
+# (placement, config changes): every placement, the mixed one both with a Pre tail and all-Post, and the
+# QK-norm stabiliser on a post-style, a pre-style and the DyT layout
+PLACEMENT_CASES = [(p, {}) for p in PLACEMENTS if p != "mix"] + [
+    ("mix", {"mix_post_fraction": 0.5}), ("mix", {"mix_post_fraction": 1.0}),
+    ("post", {"qk_norm": True}), ("sandwich", {"qk_norm": True}), ("dyt", {"qk_norm": True})]
+# where a quantity is null by definition (docs/placements.md): sublayer -> fields, per placement
+NO_OUT = ("t_sim_out",)
+NO_RMS = ("rms_factor_mean", "rms_factor_min", "rms_factor_max", "c")
+DOCUMENTED_NULLS = {
+    "post": {}, "deepnorm": {},
+    "pre": {"attn": NO_OUT, "ffn": NO_OUT}, "sandwich": {"attn": NO_OUT, "ffn": NO_OUT},
+    "pre-scaled": {"attn": NO_OUT, "ffn": NO_OUT},
+    "hybrid": {"ffn": NO_OUT + NO_RMS},
+    "dyt": {"attn": NO_OUT + NO_RMS, "ffn": NO_OUT + NO_RMS},
+}
+
+
+def documented_nulls(cfg, layer, sublayer):
+    if cfg.norm_position == "mix":  # Post-Norm layers 1..floor(rho L), Pre-Norm after
+        post = layer <= math.floor(cfg.mix_post_fraction * cfg.num_layers)
+        return () if post else NO_OUT
+    return DOCUMENTED_NULLS[cfg.norm_position].get(sublayer, ())
+
+
+CASE_IDS = [f"{p}-{'-'.join(f'{k}={v}' for k, v in c.items())}" for p, c in PLACEMENT_CASES]
+
+
+@pytest.mark.parametrize("norm, changes", PLACEMENT_CASES, ids=CASE_IDS)
+def test_every_placement_matches_brute_force(norm, changes):
+    """One measured step of each placement against the papers' dataflow computed by hand: t_sim of X, Y
+    and the normalised output, the RMS factor, alpha, c, grad norms per group; null exactly where
+    documented. Only post-style last layers arm the early warning."""
+    cfg = small_config(norm, **changes)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg, "--collapse-early-warning")
+    plugin.on_model_built(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run_step(plugin, model, 1, random_batches(cfg, 1, seed=7), opt)  # gains and DyT scalars move off init
+    batches = random_batches(cfg, 2, batch=2, seed=8)
+    ref = reference(model, batches)
+    grads = {}
+    run_step(plugin, model, 2, batches, opt, on_grads=lambda: grads.update(grad_norms(model)))
+    check_against_reference(plugin, ref, grads)
+    assert "other" not in plugin.params.groups  # every block parameter is in attn, ffn or norms
+    for rec in plugin.last["layers"]:
+        nulls = documented_nulls(cfg, rec["layer"], rec["sublayer"])
+        for field in FIELDS:
+            what = (rec["layer"], rec["sublayer"], field, rec[field])
+            assert (rec[field] is None) == (field in nulls), what
+        assert rec["grad_norm_norms"] > 0
+    armed = norm in ("post", "deepnorm") or changes.get("mix_post_fraction") == 1.0
+    assert (plugin.warning is not None) == armed
+    assert (plugin.last["step_record"]["early_warning"] is None) == (not armed)
+    assert isinstance(plugin.last["step_record"]["collapsed"], bool)
+
+
+def test_z_loss_enters_the_gradients_not_the_loss():
+    """--z-loss: alpha and the grad norms follow the gradient of CE + coef log^2 Z; the loss beside the
+    frequency loss stays the cross-entropy."""
+    cfg = small_config("sandwich")
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    plugin = make_plugin(cfg)
+    batches = random_batches(cfg, 2, batch=2, seed=9)
+    z_fn = partial(lm_loss, z_loss=0.5)
+    ref, plain = reference(model, batches, z_fn), reference(model, batches)
+    with torch.no_grad():
+        ce = sum(float(lm_loss(model(b["tokens"]), b["labels"], b["loss_mask"])) for b in batches) / 2
+    grads = {}
+    run_step(plugin, model, 1, batches, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=z_fn,
+             on_grads=lambda: grads.update(grad_norms(model)))
+    check_against_reference(plugin, ref, grads)
+    assert plugin.last["step_record"]["loss"] == pytest.approx(ce, rel=1e-6)
+    head = records_by_key(plugin.last["layers"])[(cfg.num_layers, 1)]["alpha"]
+    assert abs(head - plain[(cfg.num_layers, 1)]["alpha"]) > 1e-4 * head  # the z-term moved the gradient
 
 
 def _blockwise(model, tokens, wrap):

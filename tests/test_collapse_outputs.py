@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 import torch
 from collapse_helpers import make_plugin, random_batches, run_step, small_config
+from collapse_metrics.figures import fig_contraction, load_collapse_jsonl, save
+from collapse_metrics.outcome import read_run
+from collapse_metrics.table import SUB
 from collapse_metrics.transition import TransitionConfig, TransitionDetector
 from collapse_metrics.writers import JSONL_NAME
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -26,8 +29,8 @@ STEP_KEYS = {"step", "loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_runnin
              "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed", "early_warning"}
 
 
-def train(tmp_path, steps, *argv, writer=None):
-    cfg = small_config("pre")
+def train(tmp_path, steps, *argv, writer=None, norm="pre"):
+    cfg = small_config(norm)
     torch.manual_seed(0)
     model = LlamaModel(cfg)
     plugin = make_plugin(cfg, *argv, tb_dir=str(tmp_path), writer=writer)
@@ -92,6 +95,35 @@ def test_jsonl_and_tensorboard(tmp_path):
                                                              for s in ("min", "median", "max", "deepest")}
 
 
+def test_null_rms_factor_flows_to_jsonl_tensorboard_and_figures(tmp_path):
+    """HybridNorm: the FFN has no residual-stream RMSNorm, so its RMS factor and c are JSON null, absent
+    from TensorBoard (the attention's are there), the figures still draw, titled from args.json, and the
+    early-warning replay is off (the deepest residual sum is not normalised)."""
+    writer = SummaryWriter(str(tmp_path))
+    train(tmp_path, [1, 2], writer=writer, norm="hybrid")
+    writer.close()
+    recs = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
+    layer_recs = [r for r in recs if "layer" in r]
+    for r in layer_recs:
+        ffn = r["sublayer"] == "ffn"
+        for f in ("rms_factor_mean", "rms_factor_min", "rms_factor_max", "c", "t_sim_out"):
+            assert (r[f] is None) == ffn, (r["layer"], r["sublayer"], f)
+        assert r["resid_norm"] > 0 and r["alpha"] > 0
+    scalars = set(EventAccumulator(str(tmp_path)).Reload().Tags()["scalars"])
+    p = "collapse_layers"
+    assert f"{p}/rms_factor/L02/attn/mean" in scalars and f"{p}/c/L02/attn" in scalars
+    assert not [t for t in scalars if re.match(rf"{p}/(rms_factor|c)/L\d\d/ffn", t)]
+    assert f"{p}/resid_norm/L02/ffn" in scalars and "collapse/summary/rms_factor/median" in scalars
+
+    (tmp_path / "args.json").write_text(json.dumps({"norm_position": "hybrid", "qk_norm": False}))
+    run = load_collapse_jsonl(tmp_path / JSONL_NAME)
+    assert run.norm_label == "HybridNorm" and not run.deepest_normalised
+    assert np.isnan(run.layer["ffn"]["rms_factor_mean"]).all()
+    png = save(fig_contraction(run, run.window(10)), tmp_path / "fig4.png")  # the RMS-factor figure
+    assert png.stat().st_size > 10_000
+    assert not any(row.post_norm for row in read_run(tmp_path / JSONL_NAME))
+
+
 def test_jsonl_appends_on_resume(tmp_path):
     first = train(tmp_path, [1, 2])
     second = make_plugin(small_config("pre"), tb_dir=str(tmp_path))
@@ -139,8 +171,9 @@ def test_transition_detector(tsim_jump, loss_jump, flagged):
 def test_transition_flag_reaches_outputs(tmp_path, capsys):
     plugin = make_plugin(small_config("post"), "--collapse-transition-warmup", "3", tb_dir=str(tmp_path))
     for step, (t, loss) in enumerate([(0.30, 4.0), (0.31, 3.9), (0.30, 3.85), (0.31, 3.8), (0.9, 6.0)], 1):
-        reduced = {"sub": torch.zeros(3, 2, 13), "rms_ext": torch.zeros(3, 2, 2), "grad": torch.zeros(3, 5),
-                   "site": torch.tensor([[0.0, 0.0], [t, 1.0]]), "labels": torch.zeros(40),
+        reduced = {"sub": torch.zeros(3, 2, len(SUB)), "rms_ext": torch.zeros(3, 2, 2),
+                   "grad": torch.zeros(3, 5), "site": torch.tensor([[0.0, 0.0], [t, 1.0]]),
+                   "labels": torch.zeros(40),
                    "label_seq": torch.zeros(2), "loss": torch.tensor([loss, 1.0])}
         plugin._finish(step, reduced)
     plugin.close()

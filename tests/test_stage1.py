@@ -140,3 +140,46 @@ def test_cli_writes_json_and_figures_atomically(tiny_data, tmp_path: Path, monke
         write_json(target, {"bad": object()})
     assert target.read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_other_placements_are_measured_and_their_theory_is_null(tmp_path: Path) -> None:
+    """sandwich, deepnorm, mix, hybrid, pre-scaled, dyt: the recorded t_sim of X, Y and the normalised output
+    equal the papers' dataflow computed by hand; the prediction is null (no closed form), and Fig 1 draws
+    the measured curves alone."""
+    from collapse_helpers import explicit_tsim, manual_forward
+    from collapse_helpers import small_config as tiny_config
+    from collapse_metrics.figures import plot_init_similarity
+    from collapse_metrics.stage1 import _jsonable, theory_applies
+
+    from megapost.model.placements import PLACEMENTS
+
+    others = [p for p in PLACEMENTS if p not in ("post", "pre")]
+    assert len(others) == 6
+    for norm in others:
+        cfg = tiny_config(norm, mix_post_fraction=0.5, seq_length=16)
+        assert not theory_applies(cfg)
+        gen = torch.Generator().manual_seed(1)
+        seqs = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
+        meas = measure(cfg, seqs)
+        with torch.no_grad():
+            _, acts = manual_forward(LlamaModel(cfg), seqs)
+        for (layer, k), a in ((key, v) for key, v in acts.items() if isinstance(key, tuple)):
+            sub = ("attn", "ffn")[k]
+            for field, name in (("t_x", "x"), ("t_y", "y"), ("t_out", "out")):
+                got = meas[sub][field][:, layer - 1]
+                if a[name] is None:
+                    assert np.isnan(got).all(), (norm, layer, sub, field)
+                else:
+                    np.testing.assert_allclose(got, explicit_tsim(a[name]).numpy(), rtol=2e-5,
+                                               err_msg=f"{norm} L{layer} {sub} {field}")
+        res = analyse(cfg, meas)
+        assert res["predicted"] is None and res["band_ratios"] is None
+        assert len(res["measured"]["mean"]["attn_resid"]) == cfg.num_layers
+        with pytest.raises(ValueError, match="closed forms are for --norm-position post or pre"):
+            predicted_increments(cfg, meas)
+        if norm == "mix":  # layer 1 Post-Norm (a norm step), layers 2-3 Pre-Norm (none)
+            norm_step = np.asarray(res["measured"]["mean"]["attn_norm"])
+            assert np.isfinite(norm_step[0]) and np.isnan(norm_step[1:]).all()
+            result = _jsonable({"config": dataclasses.asdict(cfg), "num_sequences": 2, "runs": [res]})
+            png = plot_init_similarity(result, tmp_path / "fig1_mix.png")
+            assert png.stat().st_size > 10_000

@@ -41,7 +41,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--num-sequences", type=int, default=2)
-    p.add_argument("--norms", default="post,pre", help="norm placements to measure")
+    p.add_argument("--norms", default="post,pre",
+                   help="norm placements to measure (any --norm-position; the theory exists for post, pre)")
     p.add_argument("--multipliers", type=floats, default=floats("0.5,1,2,4"),
                    help="sublayer init-variance multipliers (Fig 1 sweep)")
     p.add_argument("--prefix-alpha-sweep", type=floats, default=[], help="alphas for Fig 2 (multiplier 1)")
@@ -106,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def print_summary(norm: str, res: dict) -> None:
     """Measured / predicted increment per layer band and multiplier; alpha sweep shares removed."""
     print(f"{norm}-norm ({res['wall_s']:.0f} s): sum(measured)/sum(predicted) per layer band")
+    if any(run["band_ratios"] is None for run in res["runs"]):
+        print("  no closed form for this placement (docs/placements.md): measured increments only")
+        return
     for run in res["runs"]:
         for sub in ("attn", "ffn"):
             bands = "  ".join(f"{b['layers'][0]}-{b['layers'][1]}: {b['ratio']:.2f}"

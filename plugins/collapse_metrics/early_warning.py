@@ -10,17 +10,27 @@ norm input of its last sublayer. A measured step *warns* when
 
 (default factor 4: the healthy trained Post-Norm runs of the sweep stayed below 3.9). Under
 Pre-Norm the residual stream grows by design and the norm sits on the branch, so the rule reads
-nothing there: the warning is only armed for ``--norm-position post``. It latches (one line per run,
-or per rollback of ``--collapse-guard``, which restores this state).
+nothing there: the warning is only armed where the deepest measured layer's FFN residual sum is the
+input of a norm after the add (``early_warning_applies``: post, deepnorm, mix when that layer is one
+of its Post-Norm layers; not pre, sandwich, pre-scaled, dyt, hybrid, whose last residual sum feeds the
+next layer or the final norm unnormalised; docs/placements.md). The factor was calibrated on Post-Norm
+only. It latches (one line per run, or per rollback of ``--collapse-guard``, which restores this state).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_FACTOR = 4.0
+
+
+def early_warning_applies(cfg: Any, layers: Sequence[int]) -> bool:
+    """Whether the rule reads the Post-Norm mechanism under ``cfg`` (a ModelConfig): the FFN of the deepest
+    measured layer normalises its residual sum after the add."""
+    return bool(layers) and cfg.rules(max(layers))[1].post_norm
 
 
 def deepest_resid_norm(records: list[dict[str, Any]]) -> float | None:

@@ -26,6 +26,16 @@ from megapost.utils.atomic import atomic_path
 
 CMAP = "viridis"
 SUBLAYER_TITLES = {"attn": "attention", "ffn": "FFN"}
+PLACEMENT_LABELS = {"post": "Post-Norm", "pre": "Pre-Norm", "sandwich": "Sandwich (Peri-LN)",
+                    "deepnorm": "DeepNorm", "mix": "Mix-LN", "hybrid": "HybridNorm",
+                    "pre-scaled": "Pre-Norm + LayerNorm Scaling", "dyt": "DyT"}
+ARGS_JSON = "args.json"  # written by megapost.pretrain beside collapse_metrics.jsonl
+
+
+def placement_label(norm_position: str, qk_norm: bool = False) -> str:
+    """Title text of a placement (``--norm-position``), with " + QK-norm" under ``--qk-norm``."""
+    label = PLACEMENT_LABELS.get(norm_position, norm_position)
+    return f"{label} + QK-norm" if qk_norm else label
 
 
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
@@ -57,23 +67,29 @@ def plot_init_similarity(result: dict[str, Any], path: str | os.PathLike[str]) -
     """Fig 1: measured (solid) vs predicted (dashed) one-step increments per layer, one colour per
     multiplier; Post-Norm's norm step dotted; right panel t_sim(X_1^l) measured vs iterated prediction."""
     runs = result["runs"]
-    post = result["config"]["norm_position"] == "post"
+    # the norm step t(N(Y)) - t(Y) exists where a sublayer normalises its residual sum (post-style rules)
+    post = any(np.isfinite(np.asarray(r["measured"]["mean"][f"{sub}_norm"], dtype=float)).any()
+               for r in runs for sub in ("attn", "ffn"))
+    theory = all(r["predicted"] is not None for r in runs)
     colours, _ = _colours([r["multiplier"] for r in runs], log=True)
     fig = Figure(layout="constrained", figsize=(15, 4.2))
     axes = fig.subplots(1, 3)
     for run, col in zip(runs, colours, strict=True):
-        mean, pred = run["measured"]["mean"], run["predicted"]["mean"]
-        layers = np.arange(1, len(pred["attn"]) + 1)
+        mean, pred = run["measured"]["mean"], run["predicted"]
+        layers = np.arange(1, len(mean["attn_resid"]) + 1)
         label = f"σ² × {run['multiplier']:g}"
         for ax, sub in zip(axes[:2], ("attn", "ffn"), strict=True):
             ax.plot(layers, mean[f"{sub}_resid"], color=col, lw=1.5, label=label)
-            ax.plot(layers, pred[sub], color=col, ls="--", lw=1.2)
+            if pred is not None:
+                ax.plot(layers, pred["mean"][sub], color=col, ls="--", lw=1.2)
             if post:
-                ax.plot(layers, mean[f"{sub}_norm"], color=col, ls=":", lw=1.0)
+                ax.plot(layers, np.asarray(mean[f"{sub}_norm"], dtype=float), color=col, ls=":", lw=1.0)
         t_meas = np.nanmean(np.asarray(run["measured"]["attn"]["t_x"], dtype=float), axis=0)
         axes[2].plot(layers, t_meas, color=col, lw=1.5, label=label)
-        axes[2].plot(layers, run["predicted"]["iterated"]["t_attn"], color=col, ls="--", lw=1.2)
-    styles = [("-", "measured t(Y)−t(X)"), ("--", "theory at measured t(X)")]
+        if pred is not None:
+            axes[2].plot(layers, pred["iterated"]["t_attn"], color=col, ls="--", lw=1.2)
+    styles = [("-", "measured t(Y)−t(X)")]
+    styles += [("--", "theory at measured t(X)")] if theory else []
     styles += [(":", "norm step t(N(Y))−t(Y)")] if post else []
     for ax, sub in zip(axes[:2], ("attn", "ffn"), strict=True):
         ax.set(title=f"{SUBLAYER_TITLES[sub]} sublayer", xlabel="layer l", ylabel="one-step Δ t_sim")
@@ -84,10 +100,12 @@ def plot_init_similarity(result: dict[str, Any], path: str | os.PathLike[str]) -
     axes[2].set(title="t_sim(X₁ˡ) entering attention", xlabel="layer l", ylabel="t_sim")
     axes[2].set_ylim(bottom=0)
     axes[2].grid(alpha=0.3)
-    _style_legend(axes[2], [("-", "measured"), ("--", "iterated prediction")])
+    _style_legend(axes[2], [("-", "measured")] + ([("--", "iterated prediction")] if theory else []))
     cfg = result["config"]
-    fig.suptitle(f"{'Post' if post else 'Pre'}-Norm at initialisation: {cfg['num_layers']} layers, "
-                 f"d={cfg['hidden_size']}, n={cfg['seq_length']}, {result['num_sequences']} sequence(s)")
+    no_theory = "" if theory else " (no closed form for this placement: measured only)"
+    fig.suptitle(f"{placement_label(cfg['norm_position'], cfg.get('qk_norm', False))} at initialisation: "
+                 f"{cfg['num_layers']} layers, d={cfg['hidden_size']}, n={cfg['seq_length']}, "
+                 f"{result['num_sequences']} sequence(s){no_theory}")
     return save(fig, path)
 
 
@@ -115,10 +133,12 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
             share = removed.get(f"{run['prefix_alpha']:g}")
             label = alpha_label(run["prefix_alpha"], share)
             axes[0, j].plot(layers, inc, color=col, lw=1.5, label=label)
-            axes[0, j].plot(layers, run["predicted"]["mean"]["attn"], color=col, ls="--", lw=1.0)
+            if run["predicted"] is not None:
+                axes[0, j].plot(layers, run["predicted"]["mean"]["attn"], color=col, ls="--", lw=1.0)
             t = np.nanmean(np.asarray(run["measured"]["attn"]["t_x"], dtype=float), axis=0)
             axes[1, j].plot(layers, t, color=col, lw=1.5)
-        title = f"{norm.capitalize()}-Norm: attention Δ t_sim, P → P − α Cₙ (dashed: Cor. 3.3)"
+        dashed = " (dashed: Cor. 3.3)" if all(r["predicted"] is not None for r in sweep) else ""
+        title = f"{placement_label(norm)}: attention Δ t_sim, P → P − α Cₙ{dashed}"
         axes[0, j].set(title=title, xlabel="layer l", ylabel="measured t(Y₁)−t(X₁)")
         axes[0, j].legend(fontsize=7)
         axes[0, j].axhline(0.0, color="grey", lw=0.5)
@@ -157,12 +177,23 @@ class CollapseRun:
     layer: dict[str, dict[str, np.ndarray]]
     steps: np.ndarray
     step: dict[str, np.ndarray]
+    run_args: dict[str, Any] | None = None  # the run's args.json beside the JSONL, when there is one
 
     @property
     def norm_label(self) -> str:
-        """"Post-Norm" when a normalised sublayer output was recorded (Pre-Norm has none), else "Pre-Norm"."""
+        """The placement from args.json; without one, "Post-Norm" when a normalised sublayer output was
+        recorded (only post-style rules have one), else "Pre-Norm"."""
+        if self.run_args and self.run_args.get("norm_position"):
+            return placement_label(self.run_args["norm_position"], bool(self.run_args.get("qk_norm")))
         post = any(np.isfinite(t["t_sim_out"]).any() for t in self.layer.values())
         return "Post-Norm" if post else "Pre-Norm"
+
+    @property
+    def deepest_normalised(self) -> bool:
+        """Whether the deepest layer's FFN normalised its residual sum after the add (t_sim_out recorded):
+        the condition of the early warning (``early_warning.early_warning_applies``)."""
+        table = self.layer.get("ffn")
+        return bool(table is not None and len(self.layers) and np.isfinite(table["t_sim_out"][:, -1]).any())
 
     def window(self, margin: int) -> tuple[float, float]:
         """[first - margin, last + margin] around the steps flagged ``transition``; whole run if none."""
@@ -236,7 +267,16 @@ def load_collapse_jsonl(path: str | os.PathLike[str]) -> CollapseRun:
             table[f][si[step], li[lay]] = _num(rec.get(f))
     steps = np.array(sorted(per_step), dtype=np.int64)
     step = {f: np.array([_num(per_step[s].get(f)) for s in steps]) for f in STEP_FIELDS}
-    return CollapseRun(layer_steps, layers, layer, steps, step)
+    return CollapseRun(layer_steps, layers, layer, steps, step, _run_args(Path(path).parent / ARGS_JSON))
+
+
+def _run_args(path: Path) -> dict[str, Any] | None:
+    """The run's flags from args.json (None when absent or unreadable: the label is then inferred)."""
+    try:
+        args = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return args if isinstance(args, dict) else None
 
 
 def _per_layer_lines(ax: Axes, x: np.ndarray, values: np.ndarray, layers: np.ndarray, log: bool = False,

@@ -2,9 +2,12 @@
 
 Layers are found by walking modules for transformer blocks (a ``layer_number`` and probes), so the
 same code serves the plain model, the tensor-parallel one and a DeepSpeed ``PipelineModule`` stage
-(whose own layer indices are offset). Inside a block, parameters are grouped by their first name
-component: ``attention`` -> attn, ``mlp`` -> ffn, ``*_norm`` -> norms; every one counts in the layer
-total.
+(whose own layer indices are offset). Inside a block, parameters are grouped by name (``group_of``):
+every norm's parameters -> norms (the residual-stream norms ``attention_norm`` / ``mlp_norm``, the
+sandwich output norms ``*_out_norm``, the head norms ``attention.{q,k,v}_norm``; RMSNorm gains and DyT's
+``alpha`` and ``weight`` alike), the other ``attention.*`` -> attn, ``mlp.*`` -> ffn; every one counts in
+the layer total. Parameters outside the blocks (embedding, ``embedding.scale`` of DyT, head) belong to
+no layer and are not measured here.
 
 Each rank adds only the part of ||grad||^2 it owns, so one sum over all ranks gives the full value:
   * tensor parallelism: shards tagged ``tensor_model_parallel`` count on every TP rank, replicated
@@ -27,7 +30,16 @@ from torch import nn
 from .similarity import norm
 from .table import GCOL
 
-GROUP_OF = {"attention": "attn", "mlp": "ffn", "attention_norm": "norms", "mlp_norm": "norms"}
+SUBLAYER_GROUP = {"attention": "attn", "mlp": "ffn"}
+
+
+def group_of(name: str) -> str:
+    """Group of a block parameter by its name relative to the block: "norms" when the module owning it is a
+    norm (its name ends in ``norm``), else "attn" / "ffn" by the first component; "other" otherwise."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[-2].endswith("norm"):
+        return "norms"
+    return SUBLAYER_GROUP.get(parts[0], "other")
 
 
 def transformer_blocks(module: nn.Module) -> Iterator[nn.Module]:
@@ -53,7 +65,7 @@ class LayerParameters:
                 if param.requires_grad:
                     self.params.append(param)
                     self.rows.append(row)
-                    self.groups.append(GROUP_OF.get(name.split(".", 1)[0], "other"))
+                    self.groups.append(group_of(name))
         self._index: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def index(self, device: torch.device) -> tuple[torch.Tensor, ...]:

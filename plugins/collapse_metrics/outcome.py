@@ -9,7 +9,8 @@ loss and t_sim(X^H) averaged over the last ``window`` measured steps,
 Transition step of a collapsed run: the first measured step with t_sim(X^H) >= 0.9 from which on at
 least 90% of the measured steps keep t_sim(X^H) >= 0.9 (brief wobbles neither start nor end it).
 Delayed: collapsed, and the trailing-mean loss before the transition fell >= 0.5 nats below L.
-The early warning (``early_warning.py``) is replayed on the deepest layer's residual norm, Post-Norm only.
+The early warning (``early_warning.py``) is replayed on the deepest layer's residual norm where it applies
+(that layer's FFN normalised its residual sum: t_sim_out recorded; post, deepnorm, Post layers of mix).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class StepRow:
     ratio: float | None
     flagged: bool | None  # the JSONL's own "collapsed" field when present
     resid_deep: float | None = None  # deepest layer's residual norm (ffn sublayer)
-    post_norm: bool = True
+    post_norm: bool = True  # the deepest layer normalised its residual sum (the early warning applies)
 
 
 def read_run(path: str | Path) -> list[StepRow]:
@@ -55,7 +56,7 @@ def read_run(path: str | Path) -> list[StepRow]:
 
     collapsed = run.step["collapsed"]
     resid = run.layer["ffn"]["resid_norm"][:, -1] if "ffn" in run.layer and len(run.layers) else None
-    post = run.norm_label == "Post-Norm"
+    post = run.deepest_normalised
 
     def deep(step: int) -> float | None:
         return None if resid is None or step not in at else value(resid[at[step]])
@@ -81,7 +82,7 @@ class Outcome:
     final_grad_ratio: float
     alarm_step: int | None  # first step the state alarm fires (replayed on the records)
     alarm_final: bool  # the alarm's state at the last measured step
-    warning_step: int | None = None  # first early warning (replayed; Post-Norm runs only)
+    warning_step: int | None = None  # first early warning (replayed where it applies)
 
 
 def summarize(rows: list[StepRow], freq_loss: float, window: int = 5,

@@ -3,11 +3,13 @@
 On every measured step (``--collapse-interval``; step 0 with ``--collapse-at-init``), from the step's
 own training micro-batches (no extra forward or backward), per selected layer l and sublayer k:
 t_sim of X_k^l, Y_k^l and the normalised output, the residual norm mean_i ||y_i||, the RMS factor
-sqrt(d)/||u_i|| of the norm input (mean/min/max), alpha_k^l = ||dL/dX_k^l||_F / ||dL/dY_k^l||_F
-(squared norms pooled over micro-batches and ranks), c = alpha * mean RMS factor, and the layer's
-parameter-gradient norms before the optimizer step; per step t_sim of the embeddings and of X^H, the
-loss beside the frequency loss of the same labels (aggregated, per-sequence, running), and a
-transition flag (``transition.py``). Nothing is attached on other steps.
+sqrt(d)/||u_i|| of the norm input (mean/min/max; null without a residual-stream RMSNorm),
+alpha_k^l = ||dL/dX_k^l||_F / ||dL/dY_k^l||_F (squared norms pooled over micro-batches and ranks),
+c = alpha * mean RMS factor, and the layer's parameter-gradient norms before the optimizer step; per
+step t_sim of the embeddings and of X^H, the loss beside the frequency loss of the same labels
+(aggregated, per-sequence, running), and a transition flag (``transition.py``). Nothing is attached on
+other steps. What each quantity is under every ``--norm-position``, and where it is null:
+docs/placements.md.
 
 Rank roles: probes are listened to where the residual stream is not a replica (every rank under
 sequence parallelism, else tensor-parallel rank 0); labels are counted on tensor-parallel rank 0 of
@@ -28,7 +30,7 @@ from megapost.model import set_listener
 from megapost.plugins import Plugin, PluginContext
 
 from .corpus import train_split_frequency_loss
-from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm
+from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies
 from .frequency import RunningFrequencyLoss
 from .grads import LayerParameters, loss_scale
 from .guard import Guard, add_guard_arguments, check_guard_args
@@ -98,7 +100,8 @@ class CollapseMetricsPlugin(Plugin):
                        help="... and first/last-layer parameter-gradient ratio at most this (state.py)")
         g.add_argument("--collapse-early-warning", action="store_true",
                        help="warn when the deepest layer's residual norm reaches a factor times its running "
-                       "minimum (Post-Norm only; early_warning.py)")
+                       "minimum (placements that normalise the deepest residual sum after the add: post, "
+                       "deepnorm, all-Post mix; early_warning.py)")
         g.add_argument("--collapse-early-warning-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
                        help="growth factor of the early warning")
         add_guard_arguments(g)
@@ -118,11 +121,13 @@ class CollapseMetricsPlugin(Plugin):
             min_tsim_rise=args.collapse_transition_min_tsim_rise,
             min_loss_rise=args.collapse_transition_min_loss_rise, warmup=args.collapse_transition_warmup))
         self.state = CollapseState(StateConfig(args.collapse_state_tsim, args.collapse_state_grad_ratio))
+        armed = early_warning_applies(cfg, self.layers)
         self.warning = (EarlyWarning(args.collapse_early_warning_factor)
-                        if args.collapse_early_warning and args.norm_position == "post" else None)
+                        if args.collapse_early_warning and armed else None)
         if args.collapse_early_warning and self.warning is None and ps.is_logging_rank:
-            print("[collapse] early warning off: under Pre-Norm the residual stream grows by design "
-                  "(the warning reads the Post-Norm mechanism)", flush=True)
+            print(f"[collapse] early warning off: under --norm-position {cfg.norm_position} the residual sum "
+                  f"of layer {max(self.layers)} is not normalised after the add, so it grows by design (the "
+                  "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
         check_guard_args(args)
         self.guard = Guard(args) if args.collapse_guard else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration

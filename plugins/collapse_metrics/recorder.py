@@ -2,7 +2,8 @@
 
 Attached (``set_listener``) only for a measured step; it adds into a ``StatsBuffer`` on the
 activations' device and never synchronises. Per sublayer call it records t_sim of X_k, Y_k and the
-normalised output, ||y_i||, the RMS factor sqrt(d)/||u_i|| of the norm input u, and registers tensor
+normalised output, ||y_i||, the RMS factor sqrt(d)/||u_i|| of the norm input u (none where the probe
+passes ``norm_in=None``: no residual-stream RMSNorm; docs/placements.md), and registers tensor
 hooks adding ||dL/dX_k||_F^2 and ||dL/dY_k||_F^2 (squared norms pool over micro-batches and ranks,
 so alpha = sqrt(sum gx / sum gy) does not depend on how the batch is split).
 
@@ -111,12 +112,16 @@ class Recorder:
         m = len(tensors)
         self._add_tsim(torch.stack(partials), row[COL["tsim_x"]:COL["tsim_x"] + m],
                        row[COL["n_x"]:COL["n_x"] + m])
+        row[COL["resid"]].add_(norms[1].sum())
+        self.counts[row[COL["n_tok"]].storage_offset()] += norms[1].numel()
+        if norm_in is None:  # no residual-stream RMSNorm (hybrid's FFN, DyT): the RMS factor stays null
+            return
         u_norms = next((n for t, n in zip(tensors, norms, strict=True) if t is norm_in), None)
         if u_norms is None:
             u_norms = token_norms(norm_in)
         rms = math.sqrt(norm_in.shape[-1]) / u_norms.clamp_min(1e-30)
-        row[COL["resid"]:COL["rms"] + 1].add_(torch.stack([norms[1].sum(), rms.sum()]))
-        self.counts[row[COL["n_tok"]].storage_offset()] += rms.numel()
+        row[COL["rms"]].add_(rms.sum())
+        self.counts[row[COL["n_rms"]].storage_offset()] += rms.numel()
         ext = self.buf["rms_ext"][self.buf.row[layer], k]
         low, high = torch.aminmax(rms)
         torch.maximum(ext, torch.stack([high, -low]), out=ext)

@@ -11,6 +11,12 @@ Post-Norm). Per sequence we record t_sim(X), t_sim(Y), t_sim(out) and ||X||_F^2,
 with s = n d^2 sigma_W^2 / ||X_1||_F^2 for Pre-Norm (measured norm) and s = d sigma_W^2 for Post-Norm
 (the sublayer is homogeneous in X), xi = d d_ff sigma_W2^2 sigma_W3^2 (Pre-Norm: x n d / ||X_2||_F^2),
 v = d sigma_W1^2. t_sim never materialises an n x n matrix: ||Pi X||_F^2 = ||sum_i x_i||^2 / n.
+
+The closed forms are derived for the Post-Norm and Pre-Norm dataflows only (``theory_applies``). Every
+other placement (sandwich, deepnorm, mix, hybrid, pre-scaled, dyt) is measured the same way, but its
+``predicted`` and ``band_ratios`` are null (None) and the figures draw the measured curves alone
+(docs/placements.md says why per placement). --qk-norm keeps the comparison: the surrogate replaces the
+attention matrix by C_n whatever produces it (less accurate there: QK-norm logits have unit variance at init).
 """
 
 from __future__ import annotations
@@ -117,6 +123,21 @@ def measure(cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype = torch.f
     return out
 
 
+THEORY_PLACEMENTS = ("post", "pre")
+
+
+def theory_applies(cfg: ModelConfig) -> bool:
+    """Whether the Stage-I closed forms (Thms 3.2, 3.4: derived for Post- and Pre-Norm) describe ``cfg``."""
+    return cfg.norm_position in THEORY_PLACEMENTS
+
+
+def _layer_mean(v: np.ndarray) -> np.ndarray:
+    """Mean over sequences [S, L] -> [L], nan for a layer without values (no warning)."""
+    ok = ~np.isnan(v)
+    count = ok.sum(0)
+    return np.where(count > 0, np.where(ok, v, 0.0).sum(0) / np.maximum(count, 1), np.nan)
+
+
 def measured_increments(meas: dict[str, Any]) -> dict[str, np.ndarray]:
     """Per-sequence [S, L] residual-add steps t(Y) - t(X) and norm steps t(out) - t(Y) (nan in Pre-Norm)."""
     return {f"{sub}_{kind}": (meas[sub]["t_y"] - meas[sub]["t_x"] if kind == "resid"
@@ -126,7 +147,9 @@ def measured_increments(meas: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def predicted_increments(cfg: ModelConfig, meas: dict[str, Any],
                          num_nodes: int = 80) -> dict[str, np.ndarray]:
-    """Theory deltas [S, L] at each sublayer's measured input t_sim (and measured ||X||_F^2 in Pre-Norm)."""
+    """Theory deltas [S, L] at each sublayer's measured input t_sim (and measured ||X||_F^2 in Pre-Norm);
+    Post- and Pre-Norm only (``theory_applies``)."""
+    _require_theory(cfg)
     n, d, f = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size
     var = init_variances(cfg)
     nd = float(n * d)
@@ -145,6 +168,7 @@ def predicted_increments(cfg: ModelConfig, meas: dict[str, Any],
 
 def iterated_curve(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, list[float]]:
     """predicted_tsim_curve from the embeddings' mean t_sim (Pre-Norm: measured mean ||X_k^l||_F^2)."""
+    _require_theory(cfg)
     pre = cfg.norm_position == "pre"
     curve = predicted_tsim_curve(
         float(meas["embed"]["t"].mean()), cfg.num_layers, cfg.seq_length, cfg.hidden_size,
@@ -155,6 +179,13 @@ def iterated_curve(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, list[flo
     )
     return {k: getattr(curve, k).tolist() for k in ("t_attn", "delta_attn", "t_ffn", "delta_ffn", "s", "xi",
                                                      "t_out")}
+
+
+def _require_theory(cfg: ModelConfig) -> None:
+    if not theory_applies(cfg):
+        raise ValueError(f"the Stage-I closed forms are for --norm-position "
+                         f"{' or '.join(THEORY_PLACEMENTS)}, not {cfg.norm_position} (measure() it and leave "
+                         "the prediction null)")
 
 
 def band_ratios(measured: np.ndarray, predicted: np.ndarray, bands: int = BANDS) -> list[dict[str, Any]]:
@@ -170,10 +201,22 @@ def band_ratios(measured: np.ndarray, predicted: np.ndarray, bands: int = BANDS)
 
 
 def analyse(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, Any]:
-    """Every number of one (placement, multiplier, alpha) run: per-sequence arrays and their means."""
+    """Every number of one (placement, multiplier, alpha) run: per-sequence arrays and their means;
+    ``predicted`` and ``band_ratios`` are None where the theory does not apply (``theory_applies``)."""
     inc = measured_increments(meas)
-    pred = predicted_increments(cfg, meas)
-    mean = {k: np.nanmean(v, axis=0) if not np.all(np.isnan(v)) else v[0] for k, v in inc.items()}
+    mean = {k: _layer_mean(v) for k, v in inc.items()}
+    if not theory_applies(cfg):
+        predicted, bands = None, None
+    else:
+        pred = predicted_increments(cfg, meas)
+        predicted = {
+            "s": pred["s"].tolist(),
+            "xi": pred["xi"].tolist(),
+            "per_sequence": {"attn": pred["attn"].tolist(), "ffn": pred["ffn"].tolist()},
+            "mean": {"attn": pred["attn"].mean(0).tolist(), "ffn": pred["ffn"].mean(0).tolist()},
+            "iterated": iterated_curve(cfg, meas),
+        }
+        bands = {sub: band_ratios(mean[f"{sub}_resid"], pred[sub].mean(0)) for sub in SUBLAYERS}
     return {
         "multiplier": cfg.sublayer_init_multiplier,
         "prefix_alpha": cfg.prefix_alpha,
@@ -186,14 +229,8 @@ def analyse(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, Any]:
             "mean": {k: v.tolist() for k, v in mean.items()},
             "total_attn_resid": float(np.sum(mean["attn_resid"])),
         },
-        "predicted": {
-            "s": pred["s"].tolist(),
-            "xi": pred["xi"].tolist(),
-            "per_sequence": {"attn": pred["attn"].tolist(), "ffn": pred["ffn"].tolist()},
-            "mean": {"attn": pred["attn"].mean(0).tolist(), "ffn": pred["ffn"].mean(0).tolist()},
-            "iterated": iterated_curve(cfg, meas),
-        },
-        "band_ratios": {sub: band_ratios(mean[f"{sub}_resid"], pred[sub].mean(0)) for sub in SUBLAYERS},
+        "predicted": predicted,
+        "band_ratios": bands,
     }
 
 

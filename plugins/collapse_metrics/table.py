@@ -7,7 +7,9 @@ reduction is one collective on it (``reduce.py``). Each part is combined over ra
 Per (layer, sublayer) sums, ``SUB`` columns (t_sim sums are over sequences, norms over tokens):
     tsim_x, tsim_y, tsim_out   sum of per-sequence t_sim of X_k, Y_k, RMSNorm(Y_k)
     n_x, n_y, n_out            number of sequences in each sum
-    resid, rms, n_tok          sum_i ||y_i||, sum_i sqrt(d)/||u_i|| (u = RMSNorm input), tokens
+    resid, rms, n_tok, n_rms   sum_i ||y_i||, sum_i sqrt(d)/||u_i|| (u = the residual-stream RMSNorm's
+                               input), tokens in each sum (n_rms = 0 where the sublayer has no such
+                               RMSNorm: hybrid's FFN, DyT; the RMS factor and c are then null)
     gx, gy, n_gx, n_gy         ||dL/dX_k||_F^2, ||dL/dY_k||_F^2 pooled over micro-batches, hook calls
 Per layer ``GRAD``: squared parameter-gradient norms of attention, FFN, RMSNorm gains and the whole
 layer, and ``count``, the number of gradient readings (0 on a forward-only step: norms are null).
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 SUBLAYERS = ("attn", "ffn")
-SUB = ("tsim_x", "tsim_y", "tsim_out", "n_x", "n_y", "n_out", "resid", "rms", "n_tok", "gx", "gy", "n_gx",
-       "n_gy")
+SUB = ("tsim_x", "tsim_y", "tsim_out", "n_x", "n_y", "n_out", "resid", "rms", "n_tok", "n_rms", "gx", "gy",
+       "n_gx", "n_gy")
 GRAD = ("attn", "ffn", "norms", "total", "count")
 SITES = ("embed", "head")
 COL = {name: i for i, name in enumerate(SUB)}
@@ -121,7 +123,7 @@ def sublayer_record(sub: torch.Tensor, ext: torch.Tensor, grad: torch.Tensor, k:
     """Metrics of one (layer, sublayer) from its reduced rows (JSONL field names)."""
     s = dict(zip(SUB, sub.tolist(), strict=True))
     g = dict(zip(GRAD, grad.tolist(), strict=True))
-    rms_mean = _ratio(s["rms"], s["n_tok"])
+    rms_mean = _ratio(s["rms"], s["n_rms"])
     alpha = None
     if s["n_gx"] > 0 and s["n_gy"] > 0:
         alpha = _sqrt(_ratio(s["gx"], s["gy"]))
@@ -132,8 +134,8 @@ def sublayer_record(sub: torch.Tensor, ext: torch.Tensor, grad: torch.Tensor, k:
         "t_sim_out": _ratio(s["tsim_out"], s["n_out"]),
         "resid_norm": _ratio(s["resid"], s["n_tok"]),
         "rms_factor_mean": rms_mean,
-        "rms_factor_min": -float(ext[k, 1]) if s["n_tok"] > 0 else None,
-        "rms_factor_max": float(ext[k, 0]) if s["n_tok"] > 0 else None,
+        "rms_factor_min": -float(ext[k, 1]) if s["n_rms"] > 0 else None,
+        "rms_factor_max": float(ext[k, 0]) if s["n_rms"] > 0 else None,
         "alpha": alpha,
         "c": alpha * rms_mean if alpha is not None and rms_mean is not None else None,
         "grad_norm": _sqrt(g[SUBLAYERS[k]]) if has_grad else None,
