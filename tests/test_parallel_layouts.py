@@ -13,7 +13,7 @@ Every norm placement and --qk-norm (tests/test_placements.py checks their math):
 every placement once under TP2+SP with activation checkpointing, and the ones whose stages differ
 (Mix-LN's Post and Pre layers, DyT's embedding scalar and final DyT, HybridNorm) under PP2 with
 checkpointing, each a 2-layer model for 3 steps, all models of one layout in one launch; the z-loss
-rides along under TP2. The full placement x layout matrix (4 layers, 10 steps) is marked slow.
+rides along. The full placement (x --qk-norm) x layout matrix (4 layers, 6 steps) is marked slow.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 from dist_utils import RunSpec, check_layout_matches_single_process, check_layouts_match_single_process
+
+from megapost.model.placements import PLACEMENTS
 
 PRE, POST = {"norm_position": "pre"}, {"norm_position": "post"}
 SGD = dict(optimizer="sgd", lr=0.5)
@@ -65,12 +67,13 @@ def test_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
 # ----------------------------------------------------------------------------- norm placements
 
 MIX = {"norm_position": "mix", "mix_post_fraction": 0.5}  # half the layers Post-Norm, half Pre-Norm
+DYT_QK = {"norm_position": "dyt", "qk_norm": True}
 PLACEMENT_MODELS = [
     {"norm_position": "sandwich"}, {"norm_position": "deepnorm"}, MIX, {"norm_position": "hybrid"},
-    {"norm_position": "pre-scaled"}, {"norm_position": "dyt", "qk_norm": True},
-    {"norm_position": "post", "qk_norm": True}, {"norm_position": "pre", "qk_norm": True},
+    {"norm_position": "pre-scaled"}, DYT_QK, {"norm_position": "post", "qk_norm": True},
+    {"norm_position": "pre", "qk_norm": True},
 ]
-Z_LOSS = ("sandwich", "post")  # trained with --z-loss 1e-3 (the vocab-parallel loss's extra gradient)
+Z_LOSS = ("sandwich", "post", "mix")  # trained with --z-loss 1e-3 (the loss function's extra gradient)
 CHEAP = dict(steps=3, global_batch=4, checkpoint_activations=True, probes=True)
 
 
@@ -79,17 +82,17 @@ def _placement_specs(models: list[dict[str, Any]], layers: int, **kw: Any) -> li
                     z_loss=1e-3 if m["norm_position"] in Z_LOSS else 0.0, **kw) for m in models]
 
 
-def test_every_placement_under_tensor_and_sequence_parallelism() -> None:
-    check_layouts_match_single_process(_placement_specs(PLACEMENT_MODELS, 2, tp=2, sp=True, **CHEAP), dp=1)
+def test_every_placement_under_tensor_sequence_and_pipeline_parallelism() -> None:
+    """All 2-rank cases in one launch (and their references in one more): every placement under
+    TP2+SP, and under PP2 the placements whose stages hold different parts (Mix-LN's Post layer and
+    Pre layer + final norm; DyT's embedding scalar and final DyT), all with activation checkpointing."""
+    specs = _placement_specs(PLACEMENT_MODELS, 2, tp=2, sp=True, **CHEAP)
+    specs += _placement_specs([MIX, DYT_QK], 2, pp=2, **CHEAP)
+    check_layouts_match_single_process(specs, dp=1)
 
 
-def test_placements_with_stage_specific_parts_under_pipeline_parallelism() -> None:
-    models = [MIX, {"norm_position": "dyt", "qk_norm": True}, {"norm_position": "hybrid"}]
-    check_layouts_match_single_process(_placement_specs(models, 2, pp=2, **CHEAP), dp=1)
-
-
-ALL_MODELS = [{"norm_position": p} for p in ("post", "pre")] + PLACEMENT_MODELS + [
-    {"norm_position": p, "qk_norm": True} for p in ("sandwich", "deepnorm", "hybrid", "pre-scaled")]
+ALL_MODELS = [{**m, "norm_position": p, "qk_norm": qk} for p in PLACEMENTS for qk in (False, True)
+              for m in ([MIX] if p == "mix" else [{}])]
 MATRIX = {  # layout name: (RunSpec layout fields, dp)
     "tp2": (dict(tp=2), 1),
     "tp2-sp-ckpt": (dict(tp=2, sp=True, checkpoint_activations=True, probes=True), 1),
@@ -102,5 +105,6 @@ MATRIX = {  # layout name: (RunSpec layout fields, dp)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(MATRIX))
 def test_placement_layout_matrix(layout: str) -> None:
+    """Every placement, with and without --qk-norm, 4 layers, 6 steps, at each layout."""
     fields, dp = MATRIX[layout]
-    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, **fields), dp=dp)
+    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, steps=6, **fields), dp=dp)
