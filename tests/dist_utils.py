@@ -254,10 +254,13 @@ def train_layouts(specs: list[RunSpec]) -> list[dict[str, Any]]:
     return [train_layout(spec) for spec in specs]
 
 
-def run_layouts(specs: list[RunSpec], dp: int = 1, timeout: float = 900.0) -> list[list[dict[str, Any]]]:
-    """Every spec (all of one tp x pp) on tp * pp * dp ranks in one launch: results[spec][rank]."""
+def run_layouts(specs: list[RunSpec], dp: int = 1,
+                timeout: float | None = None) -> list[list[dict[str, Any]]]:
+    """Every spec (all of one tp x pp) on tp * pp * dp ranks in one launch: results[spec][rank].
+    ``timeout`` defaults to 300 s + 120 s per spec (generous: other jobs share the cores)."""
     worlds = {spec.tp * spec.pp * dp for spec in specs}
     assert len(worlds) == 1, "one launch runs one world size"
+    timeout = 300.0 + 120.0 * len(specs) if timeout is None else timeout
     by_rank = run_ranks(train_layouts, worlds.pop(), specs, timeout=timeout)
     return [list(ranks) for ranks in zip(*by_rank, strict=True)]
 

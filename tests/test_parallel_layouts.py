@@ -13,7 +13,7 @@ Every norm placement and --qk-norm (tests/test_placements.py checks their math):
 every placement once under TP2+SP with activation checkpointing, and the ones whose stages differ
 (Mix-LN's Post and Pre layers, DyT's embedding scalar and final DyT, HybridNorm) under PP2 with
 checkpointing, each a 2-layer model for 3 steps, all models of one layout in one launch; the z-loss
-rides along. The full placement (x --qk-norm) x layout matrix (4 layers, 6 steps) is marked slow.
+rides along. The full placement (x --qk-norm) x layout matrix (4 layers, 3 steps) is marked slow.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ MATRIX = {  # layout name: (RunSpec layout fields, dp)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(MATRIX))
 def test_placement_layout_matrix(layout: str) -> None:
-    """Every placement, with and without --qk-norm, 4 layers, 6 steps, at each layout."""
+    """Every placement, with and without --qk-norm, 4 layers, 3 steps, at each layout."""
     fields, dp = MATRIX[layout]
-    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, steps=6, **fields), dp=dp)
+    spec = dict(steps=3, global_batch=4 * dp, **fields)
+    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, **spec), dp=dp)
