@@ -16,9 +16,10 @@ input); ring wire bytes are 2(n-1)/n of that for an all-reduce and (n-1)/n for t
 Analytical figures (Korthikanti et al. 2022, per micro-batch with E = b*s*h elements): each
 transformer layer all-reduces 4E under TP (2 forward, 2 backward), or under sequence parallelism
 all-gathers 4E and reduce-scatters 4E (same wire bytes); the embedding and the LM head add E each
-way; vocab-parallel cross-entropy all-reduces 3*b*s; sequence-parallel norm gains all-reduce their
-h-sized gradients. Data parallelism moves the rank's gradients (params x 4 bytes) once; pipeline
-stages send E (E/tp when sharded) per boundary and direction.
+way; vocab-parallel cross-entropy all-reduces 3*b*s; sequence-parallel norm parameters all-reduce their
+gradients (h each, h + 1 for DyT), per-head Q/K(/V) norm gains (--qk-norm, HybridNorm) theirs under
+any TP. Data parallelism moves the rank's gradients (params x 4 bytes) once; pipeline stages send E
+(E/tp when sharded) per boundary and direction.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from dist_utils import RunSpec, run_ranks, train_layout  # noqa: E402
+from dist_utils import RunSpec, run_ranks, tiny_config, train_layout  # noqa: E402
+
+from megapost.model import ModelConfig  # noqa: E402
+from megapost.model.placements import PLACEMENTS  # noqa: E402
+from megapost.plan.counts import stage_layers  # noqa: E402
 
 BYTES = 4  # fp32
 DEFAULT_LAYOUTS = "1x1x1,2x1x1,2x1x1-sp,1x2x1,1x1x2,2x2x1,2x2x1-sp,2x1x2,1x2x2,2x2x2,2x2x2-sp"
@@ -89,7 +94,21 @@ def parse_layout(text: str) -> tuple[int, int, int, bool]:
     return tp, pp, dp, flag == "sp"
 
 
-def analytical(r: dict[str, Any], spec: RunSpec, model: dict[str, int], tp: int, sp: bool,
+def tp_reduced_gradients(cfg: ModelConfig, layers: range, first: bool, last: bool, sp: bool) -> int:
+    """Elements of the replicated gradients a rank all-reduces over TP per micro-batch: the per-head
+    Q/K(/V) norm gains under any TP; under SP also every residual-stream norm's parameters and DyT's
+    embedding scalar (``megapost/parallel/parallelize.py``)."""
+    n = 0
+    for layer in layers:
+        heads = (3 if cfg.rules(layer)[0].qkv_norm else 2 if cfg.qk_norm else 0) * cfg.head_dim
+        n += heads + (cfg.layer_norm_parameters(layer) - heads if sp else 0)
+    if sp:
+        n += (1 if first and cfg.norm_kind == "dyt" else 0) + (cfg.norm_parameters if last and cfg.final_norm
+                                                                 else 0)
+    return n
+
+
+def analytical(r: dict[str, Any], spec: RunSpec, model: dict[str, Any], tp: int, sp: bool,
                pp: int) -> dict[str, float]:
     """Megatron's per-step payload bytes for one rank (see the module docstring)."""
     m, b, s, h = r["gas"], spec.micro_batch, model["seq_length"], model["hidden_size"]
@@ -97,14 +116,16 @@ def analytical(r: dict[str, Any], spec: RunSpec, model: dict[str, int], tp: int,
     layers, first, last = r["local_layers"], r["first_stage"], r["last_stage"]
     out = {"tp_all_reduce": 0.0, "tp_all_gather": 0.0, "tp_reduce_scatter": 0.0}
     if tp > 1:
+        cfg = tiny_config(**model)
+        start = sum(stage_layers(cfg.num_layers, pp)[:r["coord"][1]]) + 1
+        gains = tp_reduced_gradients(cfg, range(start, start + layers), first, last, sp)
         ce = 3 * tokens if last else 0
         if sp:
             per_micro = 4 * layers * e + first * e + last * e
             out["tp_all_gather"] = out["tp_reduce_scatter"] = m * per_micro * BYTES
-            final_norm = h if last and model.get("norm_position", "pre") == "pre" else 0
-            out["tp_all_reduce"] = m * (ce + 2 * layers * h + final_norm) * BYTES
+            out["tp_all_reduce"] = m * (ce + gains) * BYTES
         else:
-            out["tp_all_reduce"] = m * (4 * layers * e + first * e + last * e + ce) * BYTES
+            out["tp_all_reduce"] = m * (4 * layers * e + first * e + last * e + ce + gains) * BYTES
     out["dp_grads"] = r["local_params"] * BYTES if r.get("dp", 1) > 1 else 0.0
     boundary = e / tp if tp > 1 else e
     out["pp_send"] = m * ((not last) + (not first)) * boundary * BYTES if pp > 1 else 0.0
@@ -173,9 +194,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ffn", type=int, default=384)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--norm-position", choices=PLACEMENTS, default="pre")
+    p.add_argument("--qk-norm", action="store_true")
     a = p.parse_args(argv)
     model = dict(num_layers=a.num_layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                 ffn_hidden_size=a.ffn, vocab_size=a.vocab, seq_length=a.seq, norm_position="pre")
+                 ffn_hidden_size=a.ffn, vocab_size=a.vocab, seq_length=a.seq, norm_position=a.norm_position,
+                 qk_norm=a.qk_norm)
     spec_kw = dict(steps=a.steps, global_batch=a.global_batch, micro_batch=a.micro_batch)
     run([x.strip() for x in a.layouts.split(",") if x.strip()], spec_kw, model)
 

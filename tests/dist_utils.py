@@ -126,6 +126,7 @@ class RunSpec:
     data_seed: int = 7
     optimizer: str = "adamw"  # or "sgd" (no momentum: parameter differences are lr x gradient differences)
     count_comm: bool = False  # count tensor-parallel collective bytes over steps 1.. (step 0 warms up)
+    z_loss: float = 0.0  # PaLM's z-loss coefficient (build_model's loss function)
 
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
@@ -186,7 +187,8 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
 
     pstate = initialize_parallel(spec.tp, spec.pp, spec.sp)
     cfg = tiny_config(**spec.model)
-    model, loss_fn = build_model(cfg, pstate, checkpoint_activations=spec.checkpoint_activations)
+    model, loss_fn = build_model(cfg, pstate, checkpoint_activations=spec.checkpoint_activations,
+                                 z_loss=spec.z_loss)
     counter = ProbeCounter()
     if spec.probes:
         set_listener(model, counter)
@@ -247,6 +249,22 @@ def run_layout(spec: RunSpec, dp: int = 1, timeout: float = 600.0) -> list[dict[
     return run_ranks(train_layout, spec.tp * spec.pp * dp, spec, timeout=timeout)
 
 
+def train_layouts(specs: list[RunSpec]) -> list[dict[str, Any]]:
+    """``train_layout`` of each spec in turn, in one process group (one launch for many models)."""
+    return [train_layout(spec) for spec in specs]
+
+
+def run_layouts(specs: list[RunSpec], dp: int = 1,
+                timeout: float | None = None) -> list[list[dict[str, Any]]]:
+    """Every spec (all of one tp x pp) on tp * pp * dp ranks in one launch: results[spec][rank].
+    ``timeout`` defaults to 300 s + 120 s per spec (generous: other jobs share the cores)."""
+    worlds = {spec.tp * spec.pp * dp for spec in specs}
+    assert len(worlds) == 1, "one launch runs one world size"
+    timeout = 300.0 + 120.0 * len(specs) if timeout is None else timeout
+    by_rank = run_ranks(train_layouts, worlds.pop(), specs, timeout=timeout)
+    return [list(ranks) for ranks in zip(*by_rank, strict=True)]
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
@@ -273,20 +291,44 @@ def relative_update_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 _references: dict[str, dict[str, Any]] = {}
 
 
+def _single_process(spec: RunSpec) -> RunSpec:
+    return replace(spec, tp=1, pp=1, sp=False, checkpoint_activations=False, probes=False)
+
+
 def reference(spec: RunSpec) -> dict[str, Any]:
     """The single-process run of ``spec``'s model, data and optimizer (cached per session)."""
-    key = replace(spec, tp=1, pp=1, sp=False, checkpoint_activations=False, probes=False)
+    key = _single_process(spec)
     if repr(key) not in _references:
         _references[repr(key)] = run_layout(key)[0]
     return _references[repr(key)]
+
+
+def references(specs: list[RunSpec]) -> list[dict[str, Any]]:
+    """``reference`` of each spec; the missing ones computed in one single-process launch."""
+    missing = list({repr(k): k for k in map(_single_process, specs) if repr(k) not in _references}.values())
+    if missing:
+        for key, ranks in zip(missing, run_layouts(missing), strict=True):
+            _references[repr(key)] = ranks[0]
+    return [_references[repr(_single_process(spec))] for spec in specs]
 
 
 def check_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
     """``spec`` on tp x pp x dp ranks trains like one process (tolerances: tests/test_parallel_layouts.py):
     identical initial weights, per-step losses and global gradient norms within 1e-5 relative, weights
     after training within 1e-5 (SGD) / 1e-4 (AdamW) of the distance trained; probes once per micro-batch."""
-    ref = reference(spec)
-    ranks = run_layout(spec, dp)
+    compare_with_single_process(spec, dp, reference(spec), run_layout(spec, dp))
+
+
+def check_layouts_match_single_process(specs: list[RunSpec], dp: int) -> None:
+    """``check_layout_matches_single_process`` for several models of one layout, in two launches."""
+    refs = references(specs)
+    for spec, ref, ranks in zip(specs, refs, run_layouts(specs, dp), strict=True):
+        compare_with_single_process(spec, dp, ref, ranks)
+
+
+def compare_with_single_process(spec: RunSpec, dp: int, ref: dict[str, Any], ranks: list[dict[str, Any]]
+                                ) -> None:
+    """The assertions of ``check_layout_matches_single_process`` on finished runs."""
     out = ranks[0]
     sgd = spec.optimizer == "sgd"
     diffs = {
@@ -295,10 +337,12 @@ def check_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
         "param_abs": max_param_diff(out["params"], ref["params"]),
         "param_rel_update": relative_update_diff(out["params"], ref["params"], ref["params0"]),
     }
-    print(f"\n{spec.tp}x{spec.pp}x{dp} sp={spec.sp} {spec.optimizer} zero{spec.zero_stage}: "
+    model = "".join(f" {k}={v}" for k, v in {**spec.model, "z_loss": spec.z_loss}.items() if v)
+    print(f"\n{spec.tp}x{spec.pp}x{dp} sp={spec.sp} {spec.optimizer} zero{spec.zero_stage}{model}: "
           + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
-    assert max_param_diff(out["params0"], ref["params0"]) == 0.0, "initial weights depend on the layout"
-    assert all(r["losses"] == out["losses"] for r in ranks), "ranks disagree on the loss"
+    diffs["model"] = model
+    assert max_param_diff(out["params0"], ref["params0"]) == 0.0, f"initial weights differ by layout:{model}"
+    assert all(r["losses"] == out["losses"] for r in ranks), f"ranks disagree on the loss:{model}"
     assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5, diffs
     assert diffs["param_rel_update"] <= (1e-5 if sgd else 1e-4), diffs
     assert diffs["param_abs"] <= (1e-6 if sgd else 1e-4), diffs

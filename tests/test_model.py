@@ -23,10 +23,14 @@ def rms(x: torch.Tensor, g: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def manual_attention(attn, x: torch.Tensor, alpha: float = 0.0) -> torch.Tensor:
+def manual_attention(attn, x: torch.Tensor, alpha: float = 0.0,
+                     head_gains: tuple[torch.Tensor | None, ...] = (None, None, None)) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h)) v W_O with RoPE; ``head_gains`` (g_q, g_k, g_v): RMSNorm of each head
+    of q, k, v over its d_h channels before RoPE (None: not normalised)."""
     b, s, d = x.shape
     hd = attn.head_dim
     q, k, v = (lin(x).view(b, s, -1, hd).transpose(1, 2) for lin in (attn.wq, attn.wk, attn.wv))
+    q, k, v = (t if g is None else rms(t, g) for t, g in zip((q, k, v), head_gains, strict=True))
     inv = 1.0 / (attn.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
     ang = torch.outer(torch.arange(s).float(), inv)
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()

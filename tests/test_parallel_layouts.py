@@ -8,6 +8,12 @@ Tolerances (fp32): losses and gradient norms 1e-5 relative (measured ~1e-7). Wei
 1e-4 of both: the first Adam step is lr * g / (|g| + eps), so the few elements whose gradient is
 near eps turn last-bit gradient differences (summation order of sharded matmuls) into parameter
 differences of up to ~1% of lr.
+
+Every norm placement and --qk-norm (tests/test_placements.py checks their math): in the default suite
+every placement once under TP2+SP with activation checkpointing, and the ones whose stages differ
+(Mix-LN's Post and Pre layers, DyT's embedding scalar and final DyT, HybridNorm) under PP2 with
+checkpointing, each a 2-layer model for 3 steps, all models of one layout in one launch; the z-loss
+rides along. The full placement (x --qk-norm) x layout matrix (4 layers, 3 steps) is marked slow.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dist_utils import RunSpec, check_layout_matches_single_process
+from dist_utils import RunSpec, check_layout_matches_single_process, check_layouts_match_single_process
+
+from megapost.model.placements import PLACEMENTS
 
 PRE, POST = {"norm_position": "pre"}, {"norm_position": "post"}
 SGD = dict(optimizer="sgd", lr=0.5)
@@ -54,3 +62,50 @@ LAYOUTS = [
 @pytest.mark.parametrize("spec, dp", LAYOUTS)
 def test_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
     check_layout_matches_single_process(spec, dp)
+
+
+# ----------------------------------------------------------------------------- norm placements
+
+MIX = {"norm_position": "mix", "mix_post_fraction": 0.5}  # half the layers Post-Norm, half Pre-Norm
+DYT_QK = {"norm_position": "dyt", "qk_norm": True}
+PLACEMENT_MODELS = [
+    {"norm_position": "sandwich"}, {"norm_position": "deepnorm"}, MIX, {"norm_position": "hybrid"},
+    {"norm_position": "pre-scaled"}, DYT_QK, {"norm_position": "post", "qk_norm": True},
+    {"norm_position": "pre", "qk_norm": True},
+]
+Z_LOSS = ("sandwich", "post", "mix")  # trained with --z-loss 1e-3 (the loss function's extra gradient)
+CHEAP = dict(steps=3, global_batch=4, checkpoint_activations=True, probes=True)
+
+
+def _placement_specs(models: list[dict[str, Any]], layers: int, **kw: Any) -> list[RunSpec]:
+    return [RunSpec(model={**m, "num_layers": layers},
+                    z_loss=1e-3 if m["norm_position"] in Z_LOSS else 0.0, **kw) for m in models]
+
+
+def test_every_placement_under_tensor_sequence_and_pipeline_parallelism() -> None:
+    """All 2-rank cases in one launch (and their references in one more): every placement under
+    TP2+SP, and under PP2 the placements whose stages hold different parts (Mix-LN's Post layer and
+    Pre layer + final norm; DyT's embedding scalar and final DyT), all with activation checkpointing."""
+    specs = _placement_specs(PLACEMENT_MODELS, 2, tp=2, sp=True, **CHEAP)
+    specs += _placement_specs([MIX, DYT_QK], 2, pp=2, **CHEAP)
+    check_layouts_match_single_process(specs, dp=1)
+
+
+ALL_MODELS = [{**m, "norm_position": p, "qk_norm": qk} for p in PLACEMENTS for qk in (False, True)
+              for m in ([MIX] if p == "mix" else [{}])]
+MATRIX = {  # layout name: (RunSpec layout fields, dp)
+    "tp2": (dict(tp=2), 1),
+    "tp2-sp-ckpt": (dict(tp=2, sp=True, checkpoint_activations=True, probes=True), 1),
+    "pp2-ckpt": (dict(pp=2, checkpoint_activations=True, probes=True), 1),
+    "tp2-dp2-sp-zero2": (dict(tp=2, sp=True, zero_stage=2), 2),
+    "tp2-pp2-sp-ckpt": (dict(tp=2, pp=2, sp=True, checkpoint_activations=True, probes=True), 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(MATRIX))
+def test_placement_layout_matrix(layout: str) -> None:
+    """Every placement, with and without --qk-norm, 4 layers, 3 steps, at each layout."""
+    fields, dp = MATRIX[layout]
+    spec = dict(steps=3, global_batch=4 * dp, **fields)
+    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, **spec), dp=dp)

@@ -154,6 +154,18 @@ def _check_cross_entropy(rank: int, group: object) -> dict[str, float]:
     loss.backward()
     errors["lm_loss.forward"] = abs(float(loss) - float(loss_ref))
     errors["lm_loss.backward"] = _err(local.grad, chunk(full.grad))
+
+    # z-loss: the value stays the CE, the gradient is that of CE + coef * mean(log^2 Z), written out
+    from test_placements import naive_z_loss_objective
+
+    full = logits.clone().requires_grad_(True)  # lm_loss's backward above rewrote fp32 logits in place
+    plain, objective = naive_z_loss_objective(full, target, mask, 1e-2)
+    objective.backward()
+    local = chunk(logits).clone().requires_grad_(True)
+    loss = vocab_parallel_lm_loss(local, target, mask, group, z_loss=1e-2)
+    loss.backward()
+    errors["z_loss.forward"] = abs(float(loss) - float(plain))
+    errors["z_loss.backward"] = _err(local.grad, chunk(full.grad))
     return errors
 
 
@@ -180,7 +192,7 @@ def test_mappings_layers_and_cross_entropy_on_two_ranks() -> None:
     worst = {name: max(r[name] for r in results) for name in results[0]}
     bad = {name: err for name, err in worst.items() if err > TOL}
     assert not bad, bad
-    assert len(worst) == 2 * (14 + 24 + 4)  # native and fallback collectives
+    assert len(worst) == 2 * (14 + 24 + 6)  # native and fallback collectives
 
 
 def test_padded_vocab_size_rounds_to_divisible_by_only() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megapost.model import LlamaModel, ModelConfig, TransformerBlock
+from megapost.model.placements import PLACEMENTS
 from megapost.plan.__main__ import main as plan_main
 from megapost.plan.counts import parameter_counts, stage_layers, stage_parameters
 from megapost.plan.memory import Layout, Precision, layer_activation_bytes, model_state_bytes, stage_memory
@@ -18,16 +19,28 @@ SMALL = dict(vocab_size=512, num_layers=3, hidden_size=64, ffn_hidden_size=160, 
              seq_length=32)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_parameter_counts_match_the_model(norm):
-    cfg = ModelConfig(**SMALL, norm_position=norm)
+PLACEMENT_CASES = [(p, False) for p in PLACEMENTS] + [("post", True), ("hybrid", True), ("dyt", True)]
+
+
+@pytest.mark.parametrize("norm, qk_norm", PLACEMENT_CASES)
+def test_parameter_counts_match_the_model(norm, qk_norm):
+    cfg = ModelConfig(**{**SMALL, "num_layers": 4}, norm_position=norm, qk_norm=qk_norm,
+                      mix_post_fraction=0.5)
     counts = parameter_counts(cfg)
     model = LlamaModel(cfg)
     assert counts.total == sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
     assert counts.per_layer == sum(p.numel() for p in model.layers[0].parameters())
-    assert sum(stage_parameters(cfg, 1, 3, s) for s in range(3)) == counts.total
-    # TP shards everything but the norm gains
-    gains = 2 * cfg.hidden_size * cfg.num_layers + (cfg.hidden_size if norm == "pre" else 0)
+    # each pipeline stage holds what the model's modules of that stage hold
+    for pp in (2, 3):
+        first, layers = 0, stage_layers(cfg.num_layers, pp)
+        for stage, n in enumerate(layers):
+            want = sum(p.numel() for blk in model.layers[first:first + n] for p in blk.parameters())
+            want += sum(p.numel() for p in model.embedding.parameters()) if stage == 0 else 0
+            want += sum(p.numel() for p in model.head.parameters()) if stage == pp - 1 else 0
+            assert stage_parameters(cfg, 1, pp, stage) == want, (pp, stage)
+            first += n
+    # TP shards everything but the norm parameters (and DyT's embedding scalar)
+    gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
     assert 2 * (stage_parameters(cfg, 2, 1, 0) - gains) == counts.total - gains
 
 
@@ -55,9 +68,10 @@ def _saved_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 3) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm):
-    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm)
+@pytest.mark.parametrize("norm, qk_norm", PLACEMENT_CASES)
+def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm, qk_norm):
+    """Every placement's norms (Peri-LN's output norms, HybridNorm's Q/K/V norms, DyT) and --qk-norm."""
+    cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm, qk_norm=qk_norm)
     e = 2 if dtype == torch.bfloat16 else 4
     assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
 

@@ -37,6 +37,11 @@ SLOW = [
     (4, "TP2+SP PP2", ["--micro-batch-size", "2", "--global-batch-size", "4",
                        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),
+    (1, "sandwich + qk-norm bf16 ZeRO-1", ["--micro-batch-size", "2", "--global-batch-size", "2", "--bf16",
+                                           "--zero-stage", "1", "--norm-position", "sandwich", "--qk-norm"]),
+    (2, "DyT TP2+SP fp32 ZeRO-1", ["--micro-batch-size", "2", "--global-batch-size", "2",
+                                   "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--zero-stage", "1", "--norm-position", "dyt"]),
 ]
 
 

@@ -10,11 +10,14 @@ from launch_utils import pretrain, read_scalars, scalar_tags, tiny_model_flags
 
 from megapost.arguments import parse_args
 
+DYT_QK = ["--norm-position", "dyt", "--qk-norm", "--z-loss", "1e-3"]  # a placement with its own parameters
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"], DYT_QK], ids=["fp32", "bf16", "dyt-qk-norm-z-loss"])
 def test_resume_continues_exactly(tiny_data, tmp_path, precision) -> None:
     """2N steps in one run == N steps, save, resume, N more (CPU: bitwise-equal losses; in bf16 the
-    fp32 master weights, optimizer state and fp32 gradient accumulators resume exactly)."""
+    fp32 master weights, optimizer state and fp32 gradient accumulators resume exactly; under DyT its
+    scalars and the embedding scale, with --qk-norm's gains, resume too)."""
     full, half = tmp_path / "full", tmp_path / "half"
     pretrain([*tiny_model_flags(tiny_data, **{"--train-iters": 6, "--tensorboard-dir": full / "tb"}),
               *precision])

@@ -21,28 +21,39 @@ def kv_groups_per_rank(cfg: ModelConfig, tp: int) -> int:
 @dataclass(frozen=True)
 class ParameterCounts:
     total: int
-    embedding: int  # token embedding (the untied head has as many again)
-    head: int  # LM head plus the final norm (Pre-Norm)
-    per_layer: int
+    embedding: int  # token embedding (+ DyT's embedding scalar; the untied head has as many again)
+    head: int  # LM head plus the final norm (when the placement has one)
+    per_layer: int  # the first block (every placement's blocks are alike in size today)
 
     def as_dict(self) -> dict[str, int]:
         return {"total": self.total, "embedding": self.embedding, "head": self.head,
                 "per_layer": self.per_layer}
 
 
-def layer_parameters(cfg: ModelConfig, tp: int = 1) -> int:
-    """One block on one TP rank: W_Q, W_O (h x h), W_K, W_V (h x kv), W_1, W_3, W_2 split over TP; the
-    two RMSNorm gains replicated."""
+def layer_parameters(cfg: ModelConfig, tp: int = 1, layer_number: int = 1) -> int:
+    """Block ``layer_number`` (1-based) on one TP rank: W_Q, W_O (h x h), W_K, W_V (h x kv), W_1, W_3,
+    W_2 split over TP; its norms (residual-stream and Q/K/V head norms, ``cfg.layer_norm_parameters``)
+    replicated."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     kv = kv_groups_per_rank(cfg, tp) * cfg.head_dim if tp > 1 else kv_groups(cfg) * cfg.head_dim
-    return 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp + 2 * h
+    return 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp + cfg.layer_norm_parameters(layer_number)
+
+
+def _embedding_extra(cfg: ModelConfig) -> int:
+    """Replicated embedding parameters besides the table: DyT's scalar."""
+    return 1 if cfg.norm_kind == "dyt" else 0
+
+
+def _final_norm(cfg: ModelConfig) -> int:
+    return cfg.norm_parameters if cfg.final_norm else 0
 
 
 def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
-    embedding = cfg.vocab_size * cfg.hidden_size
-    head = embedding + (cfg.hidden_size if cfg.norm_position == "pre" else 0)
-    per_layer = layer_parameters(cfg)
-    return ParameterCounts(embedding + head + cfg.num_layers * per_layer, embedding, head, per_layer)
+    table = cfg.vocab_size * cfg.hidden_size
+    embedding = table + _embedding_extra(cfg)
+    head = table + _final_norm(cfg)
+    layers = sum(layer_parameters(cfg, 1, n) for n in range(1, cfg.num_layers + 1))
+    return ParameterCounts(embedding + head + layers, embedding, head, layer_parameters(cfg))
 
 
 @cache
@@ -60,9 +71,11 @@ def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
 def stage_parameters(cfg: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters one rank of pipeline ``stage`` holds (the embedding joins the first, the head the last)."""
     v_h = cfg.vocab_size * cfg.hidden_size // tp
-    n = stage_layers(cfg.num_layers, pp)[stage] * layer_parameters(cfg, tp)
+    counts = stage_layers(cfg.num_layers, pp)
+    first = sum(counts[:stage]) + 1
+    n = sum(layer_parameters(cfg, tp, layer) for layer in range(first, first + counts[stage]))
     if stage == 0:
-        n += v_h
+        n += v_h + _embedding_extra(cfg)
     if stage == pp - 1:
-        n += v_h + (cfg.hidden_size if cfg.norm_position == "pre" else 0)
+        n += v_h + _final_norm(cfg)
     return n

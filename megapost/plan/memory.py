@@ -29,11 +29,16 @@ Ts = T/t under sequence parallelism, else T), counted from what autograd saves i
 (fused SDPA saves q, k, v, out and the fp32 log-sum-exp, never the s x s scores; RoPE saves only its
 tables; RMSNorm runs in fp32 and saves its fp32 input; residual adds save nothing):
 
-  per sublayer: RMSNorm 8*Ts*h + 4*Ts on CPU (composite ``F.rms_norm``: its fp32 input, the fp32
-  normalised x, 1/rms), e*Ts*h + 4*Ts with torch's fused CUDA kernel or apex (``norm_bytes``), the
-  sublayer's full-sequence input e*T*h (under SP the all-gathered copy the column-parallel linears keep);
+  per sublayer: each of its residual-stream norms (the placement's rule: none, one, or Peri-LN's two)
+  RMSNorm 8*Ts*h + 4*Ts on CPU (composite ``F.rms_norm``: its fp32 input, the fp32 normalised x,
+  1/rms), e*Ts*h + 4*Ts with torch's fused CUDA kernel or apex (``norm_bytes``); DyT 8*Ts*h (fp32 x
+  and tanh(a x)) plus, in bf16, the fp32 copies of its gain and scalar 4h + 4 (``stream_norm_bytes``);
+  the sublayer's full-sequence input e*T*h (under SP the all-gathered copy the column-parallel linears
+  keep);
   attention: e*T*(2h + 2kv)/t (q, k after RoPE, v, SDPA's output, which W_O reads as a view)
-  + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head;
+  + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head; with per-head Q/K(/V) norms
+  (--qk-norm, HybridNorm) each is an RMSNorm over rows of d_head (``norm_bytes`` of T*heads/t rows),
+  and SDPA's output no longer has W_O's layout, so W_O keeps its own copy e*T*h/t;
   SwiGLU: 4 e*T*f/t (W_1 and W_3 outputs, SiLU output, their product).
 
 Korthikanti et al. 2022 (eq. 2, fp16 GPT with dropout and materialised scores): s*b*h*(34 + 5*a*s/h)
@@ -143,17 +148,32 @@ def norm_bytes(tokens: int, h: int, bf16: bool, kernel: str = "composite") -> in
     return per_token * tokens + 4 * tokens
 
 
+def stream_norm_bytes(cfg: ModelConfig, tokens: int, bf16: bool, kernel: str = "composite") -> int:
+    """What one residual-stream norm of ``cfg``'s placement saves: RMSNorm (``norm_bytes``) or DyT
+    (fp32 input and tanh output; in bf16 also the fp32 copies of its gain and scalar)."""
+    h = cfg.hidden_size
+    if cfg.norm_kind == "dyt":
+        return 8 * tokens * h + (4 * h + 4 if bf16 else 0)
+    return norm_bytes(tokens, h, bf16, kernel)
+
+
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
-                           norm_kernel: str = "composite") -> int:
-    """Saved activations of one block for one micro-batch (module docstring)."""
+                           norm_kernel: str = "composite", layer_number: int = 1) -> int:
+    """Saved activations of block ``layer_number`` for one micro-batch (module docstring)."""
     h, f, s, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length, cfg.num_attention_heads
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
-    kv = kv_groups_per_rank(cfg, tp) * cfg.head_dim if tp > 1 else kv_groups(cfg) * cfg.head_dim
-    sublayer = norm_bytes(t_sp, h, e == 2, norm_kernel) + e * t_all * h
+    kv_heads = kv_groups_per_rank(cfg, tp) if tp > 1 else kv_groups(cfg)
+    kv = kv_heads * cfg.head_dim
+    attn_rule, ffn_rule = cfg.rules(layer_number)
+    norms = sum(int(r.norm_input is not None) + int(r.output_norm) for r in (attn_rule, ffn_rule))
+    sublayers = norms * stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) + 2 * e * t_all * h
     attention = e * t_all * (2 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp) + 8 * s * cfg.head_dim
+    if attn_rule.qkv_norm or cfg.qk_norm:
+        rows = [t_all * (a // tp), t_all * kv_heads] + ([t_all * kv_heads] if attn_rule.qkv_norm else [])
+        attention += sum(norm_bytes(n, cfg.head_dim, e == 2, norm_kernel) for n in rows) + e * t_all * h // tp
     mlp = 4 * e * t_all * f // tp
-    return 2 * sublayer + attention + mlp
+    return sublayers + attention + mlp
 
 
 def korthikanti_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False) -> float:
@@ -173,7 +193,7 @@ def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
     """(saved by the head for one micro-batch, extra transient in its backward): module docstring."""
     h, v, t_all = cfg.hidden_size, cfg.vocab_size // tp, micro_batch * cfg.seq_length
     t_sp = t_all // tp if sp else t_all
-    norm = norm_bytes(t_sp, h, e == 2, norm_kernel) if cfg.norm_position == "pre" else 0
+    norm = stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) if cfg.final_norm else 0
     if tp == 1:  # blocked CE: logits + log-sum-exp; backward: dlogits + one fp32 block (bf16 logits)
         rows = min(t_all, max(1, block_elements // max(v, 1)))
         block = 4 * rows * v if e != 4 else 0
@@ -209,14 +229,15 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     n_layers = stage_layers(cfg.num_layers, lay.pp)[stage]
     tokens = lay.micro_batch * cfg.seq_length
     t_sp = tokens // lay.tp if lay.sequence_parallel else tokens
-    per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
-                                       prec.norm_kernel)
+    first = sum(stage_layers(cfg.num_layers, lay.pp)[:stage]) + 1
+    per_layer = [layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
+                                        prec.norm_kernel, n) for n in range(first, first + n_layers)]
     if lay.checkpoint:
         k = lay.checkpoint_num_layers
         kept = -(-n_layers // k) * e * t_sp * cfg.hidden_size
-        recompute = min(k, n_layers) * per_layer
+        recompute = max((sum(per_layer[i:i + k]) for i in range(0, n_layers, k)), default=0)
     else:
-        kept, recompute = n_layers * per_layer, 0
+        kept, recompute = sum(per_layer), 0
     m = lay.grad_accum
     in_flight = min(lay.pp - stage, m) if lay.pp > 1 else 1
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
