@@ -123,7 +123,7 @@ def figure(rows: list[dict[str, object]], path: Path) -> None:
         ax_tsim.set_ylabel("t_sim(X^H)  (o: transition)")
         ax_tsim.set_ylim(-0.02, 1.02)
         ax_ratio.set_yscale("log")
-        ax_ratio.set_ylabel("grad ratio layer 1 / L  (v: alarm)")
+        ax_ratio.set_ylabel("grad ratio layer 1 / last  (v: alarm)")
         ax_ratio.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
         for ax in (ax_loss, ax_tsim, ax_ratio):
             ax.set_xlabel("step")
