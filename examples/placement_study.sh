@@ -7,10 +7,12 @@
 #   toy:     examples/collapse_toy.sh's settings: 12 layers, d 64, seq 128, batch 8, paper init, lr 1e-2
 #            (cosine to 1e-3) with no warmup, 150 steps, collapse_metrics every 5 steps, seed 1234, on the
 #            default corpus.
-#   delayed: examples/delayed_collapse.sh's settings (4 layers, lr 3e-2 after a 200-step warmup, 400 steps,
-#            2,048-token BPE); it runs that script with the variants added.
+#   delayed-wW: examples/delayed_collapse.sh's settings (4 layers, lr 3e-2 after a W-step warmup, 400 steps,
+#            2,048-token BPE) for W in DELAYED_WARMUPS (default 200 = that script's, and 100); it runs that
+#            script with the variants added (the toy variables above do not reach it).
 # Variants: a placement plus trainer flags joined by "+" (post+qk-norm = --norm-position post --qk-norm).
-# Cost on 2 shared CPU cores: ~3.5 min per toy run, 2 at a time (JOBS); see docs/readme/study.md.
+# Cost on 2 shared CPU cores: ~5 min per toy run, ~40 s per delayed run, 2 at a time (JOBS); the whole
+# study (10 variants x 3 configurations) ~35 min; see docs/readme/study.md.
 #
 #   bash examples/placement_study.sh                                  # both configurations
 #   DELAYED_VARIANTS= bash examples/placement_study.sh                 # toy only
@@ -23,7 +25,8 @@ cd "$(dirname "$0")/.."
 RUN_ROOT=${RUN_ROOT:-runs/placement_study}
 OUT=${OUT:-docs/figures/placement_study}
 VARIANTS=${VARIANTS:-post,pre,sandwich,deepnorm,mix,hybrid,pre-scaled,dyt,post+qk-norm,post+z-loss=1e-4}
-DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configuration
+DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configurations
+DELAYED_WARMUPS=${DELAYED_WARMUPS:-200,100}
 JOBS=${JOBS:-2}
 LAYERS=${LAYERS:-12}
 HIDDEN=${HIDDEN:-64}
@@ -51,11 +54,13 @@ toy_sweep() {  # the toy settings; "$@" = --out DIR --lrs .. --warmups ..
 }
 toy_sweep --out "$RUN_ROOT/toy" --lrs "$LR" --warmups 0
 sweeps=(--sweep "toy=$RUN_ROOT/toy")
-if [ -n "$DELAYED_VARIANTS" ]; then
-  delayed="$RUN_ROOT/delayed"  # its Post/Pre figures go to $RUN_ROOT/delayed/figures_{post,pre}
-  RUN_ROOT="$delayed" FIG_ROOT="$delayed/figures" bash examples/delayed_collapse.sh --variants "$DELAYED_VARIANTS" --jobs "$JOBS"
-  sweeps+=(--sweep "delayed=$delayed")
-fi
+for w in ${DELAYED_WARMUPS//,/ }; do
+  [ -n "$DELAYED_VARIANTS" ] || break
+  delayed="$RUN_ROOT/delayed_w$w"  # its Post/Pre figures go to $delayed/figures_{post,pre}
+  env -u LAYERS -u LR -u ITERS -u SEED RUN_ROOT="$delayed" FIG_ROOT="$delayed/figures" WARMUP="$w" \
+    bash examples/delayed_collapse.sh --variants "$DELAYED_VARIANTS" --jobs "$JOBS"
+  sweeps+=(--sweep "delayed-w$w=$delayed")
+done
 python tools/placement_table.py "${sweeps[@]}" --out "$OUT"
 if [ "$PHASE" = 1 ]; then  # writes $RUN_ROOT/phase/phase_L$LAYERS.png
   toy_sweep --out "$RUN_ROOT/phase" --lrs "$PHASE_LRS" --warmups "$PHASE_WARMUPS"

@@ -101,7 +101,7 @@ def figure(rows: list[dict[str, object]], path: Path) -> None:
     configs = list(dict.fromkeys(str(r["config"]) for r in rows))
     names = list(dict.fromkeys(str(r["variant"]) for r in rows))
     colours = {n: plt.get_cmap("tab10" if len(names) <= 10 else "tab20")(i) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(len(configs), 3, figsize=(15, 3.4 * len(configs)), dpi=70, squeeze=False)
+    fig, axes = plt.subplots(len(configs), 3, figsize=(15, 3.4 * len(configs)), dpi=64, squeeze=False)
     for (ax_loss, ax_tsim, ax_ratio), config in zip(axes, configs, strict=True):
         for r in (r for r in rows if r["config"] == config):
             steps = read_run(r["jsonl"]) if Path(r["jsonl"]).is_file() else []
@@ -124,13 +124,17 @@ def figure(rows: list[dict[str, object]], path: Path) -> None:
         ax_tsim.set_ylim(-0.02, 1.02)
         ax_ratio.set_yscale("log")
         ax_ratio.set_ylabel("grad ratio layer 1 / last  (v: alarm)")
-        ax_ratio.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+        ax_ratio.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
         for ax in (ax_loss, ax_tsim, ax_ratio):
             ax.set_xlabel("step")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    from PIL import Image
+
+    with atomic_path(path) as tmp:  # 64 colours: a small PNG for the docs
+        Image.open(buf).convert("RGB").quantize(colors=64).save(tmp, format="PNG", optimize=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
