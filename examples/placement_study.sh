@@ -12,12 +12,13 @@
 #            script with the variants added (the toy variables above do not reach it).
 # Variants: a placement plus trainer flags joined by "+" (post+qk-norm = --norm-position post --qk-norm).
 # Cost on 2 shared CPU cores: ~5 min per toy run, ~40 s per delayed run, 2 at a time (JOBS); the whole
-# study (10 variants x 3 configurations) ~35 min; see docs/readme/study.md.
+# study (10 variants x 3 configurations) ~30 min; see docs/readme/study.md.
 #
-#   bash examples/placement_study.sh                                  # both configurations
-#   DELAYED_VARIANTS= bash examples/placement_study.sh                 # toy only
-#   PHASE=1 bash examples/placement_study.sh                          # + an lr x warmup phase diagram
-#                                                                      #   per variant (costly: 60 runs)
+#   bash examples/placement_study.sh                    # toy, delayed-w200, delayed-w100
+#   DELAYED_VARIANTS= bash examples/placement_study.sh   # toy only
+#   PHASE=delayed bash examples/placement_study.sh   # + the delayed settings over PHASE_LRS x PHASE_WARMUPS:
+#                                                     # one phase-diagram panel per variant (60 runs, ~20 min;
+#                                                     # PHASE=toy: the toy settings, ~2.5 h on 2 shared cores)
 # Outputs: $OUT.md, $OUT.csv, $OUT.png (default docs/figures/placement_study.*), runs in $RUN_ROOT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +37,10 @@ ITERS=${ITERS:-150}
 LR=${LR:-1e-2}
 K=${K:-5}  # --collapse-interval
 SEED=${SEED:-1234}
-PHASE=${PHASE:-0}  # 1: also the toy settings over PHASE_LRS x PHASE_WARMUPS, one phase diagram per variant
-PHASE_LRS=${PHASE_LRS:-3e-3,1e-2,3e-2}
-PHASE_WARMUPS=${PHASE_WARMUPS:-0,50}
+PHASE=${PHASE:-}  # toy or delayed: that configuration over PHASE_LRS x PHASE_WARMUPS too (off: costly)
+PHASE_LRS=${PHASE_LRS:-1e-2,3e-2,1e-1}
+PHASE_WARMUPS=${PHASE_WARMUPS:-0,100}
+case "$PHASE" in toy | delayed | "") ;; *) echo "error: PHASE=$PHASE: use toy, delayed or leave it empty" >&2; exit 2 ;; esac
 
 if [ -z "${DATA:-}" ]; then
   read -r DATA TOKENIZER < <(python - <<'PY'
@@ -54,14 +56,19 @@ toy_sweep() {  # the toy settings; "$@" = --out DIR --lrs .. --warmups ..
 }
 toy_sweep --out "$RUN_ROOT/toy" --lrs "$LR" --warmups 0
 sweeps=(--sweep "toy=$RUN_ROOT/toy")
+delayed_sweep() {  # delayed_collapse.sh's settings; "$1" = its RUN_ROOT, "$2" = its WARMUP, then sweep flags
+  local root=$1 warmup=$2
+  shift 2  # its Post/Pre figures go to $root/figures_{post,pre}
+  env -u LAYERS -u LR -u ITERS -u SEED RUN_ROOT="$root" FIG_ROOT="$root/figures" WARMUP="$warmup" \
+    bash examples/delayed_collapse.sh --variants "$DELAYED_VARIANTS" --jobs "$JOBS" "$@"
+}
 for w in ${DELAYED_WARMUPS//,/ }; do
   [ -n "$DELAYED_VARIANTS" ] || break
-  delayed="$RUN_ROOT/delayed_w$w"  # its Post/Pre figures go to $delayed/figures_{post,pre}
-  env -u LAYERS -u LR -u ITERS -u SEED RUN_ROOT="$delayed" FIG_ROOT="$delayed/figures" WARMUP="$w" \
-    bash examples/delayed_collapse.sh --variants "$DELAYED_VARIANTS" --jobs "$JOBS"
-  sweeps+=(--sweep "delayed-w$w=$delayed")
+  delayed_sweep "$RUN_ROOT/delayed_w$w" "$w"
+  sweeps+=(--sweep "delayed-w$w=$RUN_ROOT/delayed_w$w")
 done
 python tools/placement_table.py "${sweeps[@]}" --out "$OUT"
-if [ "$PHASE" = 1 ]; then  # writes $RUN_ROOT/phase/phase_L$LAYERS.png
-  toy_sweep --out "$RUN_ROOT/phase" --lrs "$PHASE_LRS" --warmups "$PHASE_WARMUPS"
-fi
+case "$PHASE" in  # the sweep writes $RUN_ROOT/phase_$PHASE/phase_L<depth>.png
+  toy) toy_sweep --out "$RUN_ROOT/phase_toy" --lrs "$PHASE_LRS" --warmups "$PHASE_WARMUPS" ;;
+  delayed) delayed_sweep "$RUN_ROOT/phase_delayed" 200 --lrs "$PHASE_LRS" --warmups "$PHASE_WARMUPS" ;;
+esac
