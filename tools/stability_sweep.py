@@ -12,8 +12,8 @@ Every cell is one ``python -m megapost.pretrain`` subprocess with ``--plugins co
 exists; a rerun skips finished cells (resumable). After each cell the results CSV
 (``<out>/results.csv``) is rewritten atomically; at the end one phase-diagram PNG per depth
 (``<out>/phase_L{depth}.png``: one lr x warmup panel per variant, colour = outcome, marker = transition
-step) and the
-alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are printed.
+step) and the alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are
+printed.
 Flags after ``--`` go to every run.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import itertools
 import json
@@ -58,13 +59,18 @@ class Variant:
     flags: tuple[str, ...]
 
 
+@functools.cache
+def _trainer_options() -> dict[str, argparse.Action]:
+    return trainer_parser([CollapseMetricsPlugin])._option_string_actions
+
+
 def parse_variant(text: str) -> Variant:
     """Checks the placement and every flag against the trainer's parser (one-line ConfigError)."""
     placement, *mods = text.split("+")
     if placement not in PLACEMENTS:
         raise ConfigError(f"--variants: {text!r} starts with {placement!r}, not a placement; "
                           f"choose from {', '.join(PLACEMENTS)}")
-    options = trainer_parser([CollapseMetricsPlugin])._option_string_actions
+    options = _trainer_options()
     flags: list[str] = []
     for mod in mods:
         name, eq, value = mod.partition("=")
@@ -185,8 +191,8 @@ def write_csv(path: Path, results: list[dict[str, object]]) -> None:
 
 
 def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
-    """Recall over Post-Norm runs ending collapsed (a Pre-Norm run ending on the plateau with live
-    gradients is not the collapsed state); false alarms over runs ending trained."""
+    """Recall over Post-Norm runs (placement post, any flags) ending collapsed (a Pre-Norm run ending on
+    the plateau with live gradients is not the collapsed state); false alarms over runs ending trained."""
     collapsed = [r for r in results if r["outcome"] == "collapsed" and r["placement"] == "post"]
     trained = [r for r in results if r["outcome"] == "trained"]
     flagged = [r for r in results if r["alarm_step"] is not None]
