@@ -105,6 +105,9 @@ def figure(rows: list[dict[str, object]], path: Path) -> None:
     for (ax_loss, ax_tsim, ax_ratio), config in zip(axes, configs, strict=True):
         for r in (r for r in rows if r["config"] == config):
             steps = read_run(r["jsonl"]) if Path(r["jsonl"]).is_file() else []
+            if not steps:
+                print(f"[table] {r['jsonl']} not found or empty: no curves for {r['variant']}",
+                      file=sys.stderr)
             c, label = colours[str(r["variant"])], f"{r['variant']} ({r['outcome']})"
             x, loss = _series(steps, "loss")
             ax_loss.plot(x, [v - float(r["freq_loss"]) for v in loss], color=c, lw=1)
