@@ -17,7 +17,7 @@
 #   bash examples/placement_study.sh                    # toy, delayed-w200, delayed-w100
 #   DELAYED_VARIANTS= bash examples/placement_study.sh   # toy only
 #   PHASE=delayed bash examples/placement_study.sh   # + the delayed settings over PHASE_LRS x PHASE_WARMUPS:
-#                                                     # one phase-diagram panel per variant (60 runs, ~20 min;
+#                                                     # one phase-diagram panel per variant (60 runs, ~22 min;
 #                                                     # PHASE=toy: the toy settings, ~2.5 h on 2 shared cores)
 # Outputs: $OUT.md, $OUT.csv, $OUT.png (default docs/figures/placement_study.*), runs in $RUN_ROOT.
 set -euo pipefail
