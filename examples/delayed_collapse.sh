@@ -37,5 +37,6 @@ python tools/stability_sweep.py --out "$RUN_ROOT" --data-path "$DATA_DIR/news2k_
 lr_name=$(python -c "print('%g' % float('$LR'))")  # the sweep names cells with %g
 for norm in post pre; do
   run="$RUN_ROOT/cells/${norm}_L${LAYERS}_lr${lr_name}_w${WARMUP}_s${SEED}"
+  [ -d "$run/tensorboard" ] || continue  # not among the --variants given
   python tools/plot_collapse.py --run-dir "$run/tensorboard" --out "${FIG_ROOT}_$norm" --window 40
 done

@@ -1,14 +1,19 @@
-"""Stability sweep: short runs over lr x warmup x depth (x norm x seed) through the real trainer.
+"""Stability sweep: short runs over lr x warmup x depth (x variant x seed) through the real trainer.
 
     python tools/stability_sweep.py --out runs/sweep --data-path data/news_text_document \\
-        --tokenizer-model data/tokenizer.model --depths 2,6,12 --lrs 1e-2,3e-2,1e-1 --warmups 0,100
+        --tokenizer-model data/tokenizer.model --depths 2,6,12 --lrs 1e-2,3e-2,1e-1 --warmups 0,100 \\
+        --variants post,pre,deepnorm,post+qk-norm,post+z-loss=1e-4
+
+A variant is a placement (``--norm-position``) plus trainer flags joined by ``+``: ``post+qk-norm`` runs
+``--norm-position post --qk-norm``, ``post+z-loss=1e-4`` runs ``--norm-position post --z-loss 1e-4``.
 
 Every cell is one ``python -m megapost.pretrain`` subprocess with ``--plugins collapse_metrics``
 (``--jobs`` at once, default: the available cores). A cell is finished when its ``outcome.json``
 exists; a rerun skips finished cells (resumable). After each cell the results CSV
 (``<out>/results.csv``) is rewritten atomically; at the end one phase-diagram PNG per depth
-(``<out>/phase_L{depth}.png``: lr x warmup, colour = outcome, marker = transition step) and the
-alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are printed.
+(``<out>/phase_L{depth}.png``: one lr x warmup panel per variant, colour = outcome, marker = transition
+step) and the alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are
+printed.
 Flags after ``--`` go to every run.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import itertools
 import json
@@ -31,18 +37,67 @@ from pathlib import Path
 
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.outcome import read_run, summarize
+from collapse_metrics.plugin import CollapseMetricsPlugin
 
+from megapost.arguments import ConfigError
+from megapost.arguments import build_parser as trainer_parser
 from megapost.data import SentencePieceTokenizer
+from megapost.model.placements import PLACEMENTS
 from megapost.utils.atomic import atomic_write_text
 
-FIELDS = ("norm", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed", "best_gap",
-          "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final", "warning_step",
-          "seconds")
+FIELDS = ("variant", "placement", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed",
+          "best_gap", "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final",
+          "warning_step", "freq_loss", "seconds")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A placement plus trainer flags, e.g. ``post+z-loss=1e-4`` -> ``--norm-position post --z-loss 1e-4``."""
+
+    name: str
+    placement: str
+    flags: tuple[str, ...]
+
+
+@functools.cache
+def _trainer_options() -> dict[str, argparse.Action]:
+    return trainer_parser([CollapseMetricsPlugin])._option_string_actions
+
+
+def parse_variant(text: str) -> Variant:
+    """Checks the placement and every flag against the trainer's parser (one-line ConfigError)."""
+    placement, *mods = text.split("+")
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"--variants: {text!r} starts with {placement!r}, not a placement; "
+                          f"choose from {', '.join(PLACEMENTS)}")
+    options = _trainer_options()
+    flags: list[str] = []
+    for mod in mods:
+        name, eq, value = mod.partition("=")
+        flag = f"--{name}"
+        action = options.get(flag)
+        if action is None or flag in ("--norm-position", "--help"):
+            raise ConfigError(f"--variants: {text!r}: {flag} is not a megapost.pretrain flag a variant can "
+                              "set")
+        if (action.nargs == 0) == bool(eq):
+            raise ConfigError(f"--variants: {text!r}: {flag} " + (f"takes no value: write +{name}" if eq else
+                                                                  f"takes a value: write +{name}=VALUE"))
+        try:
+            if eq and callable(action.type):
+                action.type(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--variants: {text!r}: {value!r} is not a valid value for {flag}") from None
+        flags += [flag, value] if eq else [flag]
+    return Variant(text, placement, tuple(flags))
+
+
+def variants(text: str) -> list[Variant]:
+    return [parse_variant(v) for v in text.split(",") if v]
 
 
 @dataclass(frozen=True)
 class Cell:
-    norm: str
+    variant: str
     depth: int
     lr: float
     warmup: int
@@ -50,7 +105,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.norm}_L{self.depth}_lr{self.lr:g}_w{self.warmup}_s{self.seed}"
+        return f"{self.variant}_L{self.depth}_lr{self.lr:g}_w{self.warmup}_s{self.seed}"
 
 
 def floats(text: str) -> list[float]:
@@ -69,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", type=ints, default=[2, 6, 12])
     p.add_argument("--lrs", type=floats, default=[1e-2, 3e-2, 1e-1])
     p.add_argument("--warmups", type=ints, default=[0, 100])
-    p.add_argument("--norms", default="post,pre")
+    p.add_argument("--variants", "--norms", type=variants, default="post,pre",
+                   help="comma-separated placement[+flag[=value]]..., e.g. post,pre,post+z-loss=1e-4")
     p.add_argument("--seeds", type=ints, default=[1])
     p.add_argument("--iters", type=int, default=250)
     p.add_argument("--hidden", type=int, default=64)
@@ -84,11 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cell_argv(args: argparse.Namespace, cell: Cell, run_dir: Path) -> list[str]:
-    h = args.hidden
+    h, variant = args.hidden, parse_variant(cell.variant)
     return [
-        "--norm-position", cell.norm, "--num-layers", str(cell.depth), "--hidden-size", str(h),
-        "--ffn-hidden-size", str(3 * h), "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
-        "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
+        "--norm-position", variant.placement, *variant.flags, "--num-layers", str(cell.depth),
+        "--hidden-size", str(h), "--ffn-hidden-size", str(3 * h), "--num-attention-heads", "4",
+        "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.batch),
+        "--global-batch-size", str(args.batch),
         "--train-iters", str(args.iters), "--lr", str(cell.lr), "--min-lr", str(cell.lr / 10),
         "--lr-warmup-iters", str(cell.warmup), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--init-variance", "paper", "--seed", str(cell.seed), "--split", args.split,
@@ -134,9 +191,9 @@ def write_csv(path: Path, results: list[dict[str, object]]) -> None:
 
 
 def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
-    """Recall over Post-Norm runs ending collapsed (a Pre-Norm run ending on the plateau with live
-    gradients is not the collapsed state); false alarms over runs ending trained."""
-    collapsed = [r for r in results if r["outcome"] == "collapsed" and r["norm"] == "post"]
+    """Recall over Post-Norm runs (placement post, any flags) ending collapsed (a Pre-Norm run ending on
+    the plateau with live gradients is not the collapsed state); false alarms over runs ending trained."""
+    collapsed = [r for r in results if r["outcome"] == "collapsed" and r["placement"] == "post"]
     trained = [r for r in results if r["outcome"] == "trained"]
     flagged = [r for r in results if r["alarm_step"] is not None]
     hits = [r for r in collapsed if r["alarm_step"] is not None]
@@ -151,31 +208,39 @@ def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
 def warning_scores(results: list[dict[str, object]]) -> dict[str, object]:
     """The early warning (Post-Norm runs): its lead before the transition on collapsed runs, and the
     runs that warned without collapsing within the run."""
-    post = [r for r in results if r["norm"] == "post"]
+    post = [r for r in results if r["placement"] == "post"]
     leads = [r["transition_step"] - r["warning_step"] for r in post
              if r["outcome"] == "collapsed" and r.get("warning_step") is not None]
     return {"warning_lead_before_transition": leads,
-            "warned_not_collapsed": [f"{r['norm']}_L{r['depth']}_lr{r['lr']:g}_w{r['warmup']}_{r['outcome']}"
-                                     for r in post if r["outcome"] != "collapsed" and r.get("warning_step")
-                                     is not None]}
+            "warned_not_collapsed": [f"{r['variant']}_L{r['depth']}_lr{r['lr']:g}_w{r['warmup']}_"
+                                     f"{r['outcome']}" for r in post if r["outcome"] != "collapsed"
+                                     and r.get("warning_step") is not None]}
 
 
 OUTCOME_COLOURS = {"collapsed": "tab:red", "trained": "tab:green", "plateau": "tab:orange"}
 
 
+LABELS = {"post": "Post-Norm", "pre": "Pre-Norm"}
+
+
 def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq_loss: float) -> None:
+    """One lr x warmup panel per variant (in the order of ``results``), up to 5 panels a row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    norms = [n for n in ("post", "pre") if any(r["norm"] == n for r in results)]
-    fig, axes = plt.subplots(1, len(norms), figsize=(4.2 * len(norms), 3.4), dpi=90, squeeze=False,
+    names = list(dict.fromkeys(str(r["variant"]) for r in results))
+    cols = min(5, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + 0.4), dpi=90, squeeze=False,
                              sharey=True)
     warmups = sorted({int(r["warmup"]) for r in results})
     lrs = sorted({float(r["lr"]) for r in results})
-    for ax, norm in zip(axes[0], norms, strict=True):
-        for r in (r for r in results if r["norm"] == norm):
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        for r in (r for r in results if r["variant"] == name):
             y = warmups.index(int(r["warmup"]))
             marker = "X" if r["delayed"] else ("o" if r["transition_step"] is None else "v")
             ax.scatter(float(r["lr"]), y, s=240, c=OUTCOME_COLOURS[str(r["outcome"])], marker=marker,
@@ -191,14 +256,15 @@ def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq
         ax.set_yticks(range(len(warmups)), [str(w) for w in warmups])
         ax.set_ylim(-0.6, len(warmups) - 0.3)
         ax.set_xlabel("peak lr")
-        ax.set_title(f"{'Post' if norm == 'post' else 'Pre'}-Norm, {depth} layers")
-    axes[0][0].set_ylabel("warmup steps")
+        ax.set_title(f"{LABELS.get(name, name)}, {depth} layers")
+    for row in axes:
+        row[0].set_ylabel("warmup steps")
     handles = [plt.Line2D([], [], ls="", marker="s", color=c, label=o) for o, c in OUTCOME_COLOURS.items()]
     handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=lab) for m, lab in
                 (("v", "collapsed at step t"), ("X", "delayed collapse"), ("o", "no collapse (final gap)"))]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle(f"stability phase diagram (loss gap vs frequency loss {freq_loss:.2f} nats)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.12 / rows, 1, 1 - 0.05 / rows))
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")
     plt.close(fig)
@@ -215,13 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
     freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab, cache).aggregated
     print(f"[sweep] frequency loss of the train split: {freq:.4f} nats", flush=True)
-    cells = [Cell(n, d, lr, w, s) for d, lr, w, s, n in itertools.product(
-        args.depths, args.lrs, args.warmups, args.seeds, args.norms.split(","))]
+    cells = [Cell(v.name, d, lr, w, s) for d, lr, w, s, v in itertools.product(
+        args.depths, args.lrs, args.warmups, args.seeds, args.variants)]
+    placement = {v.name: v.placement for v in args.variants}
     results: dict[Cell, dict[str, object]] = {}
 
     def finish(cell: Cell, result: dict[str, object] | None) -> None:
-        if result is not None:
-            results[cell] = result
+        if result is not None:  # (outcome.json of older sweeps named the variant "norm")
+            results[cell] = {**result, **asdict(cell), "placement": placement[cell.variant],
+                             "freq_loss": freq}
             write_csv(out / "results.csv", [results[c] for c in cells if c in results])
 
     if args.plot_only:
