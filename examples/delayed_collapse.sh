@@ -14,8 +14,9 @@
 #
 #   bash examples/delayed_collapse.sh                 # both runs, then figures
 #   WARMUP=100 LR=3e-2 bash examples/delayed_collapse.sh
-#   SEED=1 bash examples/delayed_collapse.sh          # the seed used before the sample-order change:
-#                                                     # now a plateau (best gap -0.85, final -0.19)
+#   SEED=1 bash examples/delayed_collapse.sh          # the seed first published (collapse at 320): now a
+#                 plateau (best gap -0.85, final -0.19); not the sample order (same batches), but ~1e-6
+#                 loss differences from the first step that this edge of stability amplifies
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
