@@ -107,6 +107,7 @@ class Trainer:
         self.memory = PeakMemory(device)
         self.memory_report: dict[str, Any] = {}
         self.exits = ExitConditions(args)
+        self._peak_warned = False
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -222,6 +223,12 @@ class Trainer:
                 raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
                                                     args.save)
         perf = self.throughput.report()
+        if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
+            self._peak_warned = True
+            self.monitor.line(f" warning: MFU {100 * perf['mfu']:.0f}% > 100%: the peak it divides by "
+                              f"({self.throughput.peak_tflops:.4g} TFLOP/s/device) is too low, e.g. a CPU "
+                              "peak measured while the machine was busy; measure it again with "
+                              "--remeasure-peak on an idle machine, or pass --peak-tflops")
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
         lr = st.losses[-1][3]

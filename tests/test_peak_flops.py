@@ -76,3 +76,15 @@ def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) 
 def test_measurement_is_the_best_of_several_runs() -> None:
     tflops = peak_flops.measure_matmul_tflops(torch.float32, CPU, sizes=(64, 128), reps=2)
     assert 0 < tflops < 100
+
+
+def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
+    """A peak below what the run achieves (a CPU peak measured on a busy machine) is named, once."""
+    from launch_utils import pretrain, tiny_model_flags
+
+    out = pretrain(tiny_model_flags(tiny_data, **{"--peak-tflops": 1e-9, "--train-iters": 3,
+                                                 "--runs-dir": tmp_path / "runs"})).stdout
+    assert out.count("warning: MFU") == 1 and "--remeasure-peak" in out
+    quiet = pretrain(tiny_model_flags(tiny_data, **{"--peak-tflops": 1e6, "--train-iters": 2,
+                                                   "--runs-dir": tmp_path / "runs2"})).stdout
+    assert "warning: MFU" not in quiet
