@@ -20,15 +20,7 @@ cd "$(dirname "$0")/.."
 
 RUN_ROOT=${RUN_ROOT:-runs/collapse_toy}
 FIG_ROOT=${FIG_ROOT:-docs/figures/collapse_toy}
-LAYERS=${LAYERS:-12}
-HIDDEN=${HIDDEN:-64}
-SEQ=${SEQ:-128}
-BATCH=${BATCH:-8}
-ITERS=${ITERS:-150}
-LR=${LR:-1e-2}
-MIN_LR=${MIN_LR:-1e-3}
-K=${K:-5}  # --collapse-interval
-SEED=${SEED:-1234}
+source examples/toy_settings.sh
 
 read -r DATA TOKENIZER < <(python - <<'PY'
 from megapost.data import prepare_default_data

@@ -29,14 +29,7 @@ VARIANTS=${VARIANTS:-post,pre,sandwich,deepnorm,mix,hybrid,pre-scaled,dyt,post+q
 DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configurations
 DELAYED_WARMUPS=${DELAYED_WARMUPS:-200,100}
 JOBS=${JOBS:-2}
-LAYERS=${LAYERS:-12}
-HIDDEN=${HIDDEN:-64}
-SEQ=${SEQ:-128}
-BATCH=${BATCH:-8}
-ITERS=${ITERS:-150}
-LR=${LR:-1e-2}
-K=${K:-5}  # --collapse-interval
-SEED=${SEED:-1234}
+source examples/toy_settings.sh
 PHASE=${PHASE:-}  # toy or delayed: that configuration over PHASE_LRS x PHASE_WARMUPS too (off: costly)
 PHASE_LRS=${PHASE_LRS:-1e-2,3e-2,1e-1}
 PHASE_WARMUPS=${PHASE_WARMUPS:-0,100}
