@@ -5,7 +5,9 @@
   runner above ``launch.py`` goes away (single-node runs: the runner forwards no signal).
 * Without ``--exit-signal-handler``, SIGINT stops the run at once; global rank 0 prints
   ``interrupted at iteration N; last complete checkpoint: ...; resume with: ...`` (exit 130).
-  SIGTERM keeps its default (immediate exit).
+  SIGTERM exits at once (status 143) — unless it follows a SIGINT: a terminal's Ctrl-C reaches the
+  launcher too, which SIGTERMs the ranks right away, and Python runs pending handlers in signal order,
+  so the SIGINT's line still gets printed.
 * With it, SIGINT and SIGTERM only raise a flag; the trainer saves at the next step boundary and
   exits 0. Ranks agree on the boundary with one all-reduce (MAX) of a 2-int CPU tensor over gloo per
   step (no device sync), done only when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
@@ -114,17 +116,25 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
 
+def _on_sigterm(signum: int, _frame: Any) -> None:
+    """Without --exit-signal-handler: exit now, as SIGTERM's default would, unless a SIGINT is already
+    being handled (then the launcher's follow-up SIGTERM must not cut its line off)."""
+    if not PROGRESS.interrupted:
+        os._exit(128 + signum)
+
+
 def install_handlers(defer: bool = False) -> None:
     """SIGINT raises :class:`Interrupted` once; with ``defer`` (--exit-signal-handler) SIGINT and
     SIGTERM only set ``PROGRESS.requested``.
 
-    Without ``defer`` SIGTERM keeps its default, immediate exit: the launcher stops surviving ranks with
-    it when one rank fails, and they may sit in a collective where no Python handler could run.
+    Without ``defer`` SIGTERM exits at once (``_on_sigterm``): the launcher stops surviving ranks with
+    it when one rank fails. A rank blocked in a collective runs it when the collective returns (a dead
+    peer ends it with an error), or the launcher's SIGKILL follows.
     """
     PROGRESS.deferring = defer
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM) if defer else (signal.SIGINT,):
-            signal.signal(sig, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal if defer else _on_sigterm)
 
 
 def _port_marker(port: str) -> str:
@@ -261,8 +271,9 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Interrupted as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(interrupted_line(), file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one write: print's separate newline could interleave
+            sys.stderr.flush()                   # with the launcher's log lines
+            os.write(sys.stderr.fileno(), (interrupted_line() + "\n").encode())
         raise SystemExit(128 + e.signum) from None
 
 
