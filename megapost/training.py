@@ -136,14 +136,14 @@ class Trainer:
         return self._dp_mean(torch.stack(losses).mean())
 
     def _z_term(self) -> torch.Tensor | None:
-        """--z-loss: this step's z term averaged over micro-batches and data-parallel ranks, on the
-        ranks that computed the loss (None elsewhere, and without --z-loss)."""
+        """--z-loss: this step's z term averaged over this rank's micro-batches, on the ranks that
+        computed the loss (None elsewhere, and without --z-loss); averaged over DP at log time."""
         take = getattr(self.loss_fn, "take_z_terms", None)
         terms = take() if take is not None else []
-        return self._dp_mean(torch.stack(terms).mean()) if terms else None
+        return torch.stack(terms).mean() if terms else None
 
     def train_step(self, step: int) -> torch.Tensor:
-        self._z_term()  # drop terms from evaluation passes
+        self._z_term()  # drop terms from evaluation passes (no collective)
         active = [p for p in self.plugins if p.wants_step(step)]
         assert self.batches is not None
         self.batches.active, self.batches.step = active, step
@@ -208,8 +208,10 @@ class Trainer:
             return
         values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
         norms = _host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
-        z = (dict(zip(st.z_losses, torch.stack(list(st.z_losses.values())).tolist(), strict=True))
-             if st.z_losses else {})
+        z = {}  # one DP all-reduce and one host read per interval, on the ranks holding z terms
+        if st.z_losses:
+            z = dict(zip(st.z_losses, self._dp_mean(torch.stack(list(st.z_losses.values()))).tolist(),
+                         strict=True))
         for (step, _, _, lr), loss, norm in zip(st.losses, values, norms, strict=True):
             tokens = step * self.tokens_per_step
             scalars = {"lm_loss": loss, "lr": lr}
