@@ -10,18 +10,18 @@ from typing import Any
 import deepspeed
 import torch
 
-from megapost import engine_hooks
-from megapost.arguments import parse_args, validate_args
-from megapost.distributed import init_distributed
-from megapost.ds_config_builder import build_ds_config
+from megapost.config.arguments import parse_args, validate_args
+from megapost.engine import hooks as engine_hooks
+from megapost.engine.ds_config import build_ds_config
+from megapost.engine.optimizer import build_optimizer
+from megapost.engine.schedule import WarmupDecaySchedule
+from megapost.metrics.monitor import Monitor
 from megapost.model import ModelConfig
-from megapost.monitor import Monitor
-from megapost.optimizer import build_optimizer
 from megapost.parallel import build_model, initialize_parallel
 from megapost.parallel.compile import compile_blocks
 from megapost.pretrain import build_plugins, model_config_from_args
-from megapost.schedule import WarmupDecaySchedule
-from megapost.training import PluginBatches, Trainer
+from megapost.runtime.distributed import init_distributed
+from megapost.train.trainer import PluginBatches, Trainer
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ import time
 import torch
 from bench_common import build_trainer
 
-from megapost.peak_flops import resolve_peak
+from megapost.metrics.peak_flops import resolve_peak
 
 
 def device_peak(given: float, device: torch.device) -> tuple[float, str]:

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from bench_common import add_model_args, build_trainer, synthetic_batches
 
+from megapost.engine.optimizer import build_optimizer
+from megapost.metrics.peak_flops import measure_matmul_tflops
 from megapost.model import LlamaModel, ModelConfig, lm_loss
-from megapost.optimizer import build_optimizer
-from megapost.peak_flops import measure_matmul_tflops
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

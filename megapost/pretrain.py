@@ -14,24 +14,29 @@ import deepspeed
 import numpy as np
 import torch
 
-from . import checkpoint_safety, engine_hooks, hf, interrupts
-from .arguments import ConfigError, parse_args, validate_args
-from .checkpoint_io import check_layout, check_save_dir
-from .data import (
+from megapost.checkpoint import hf
+from megapost.checkpoint import safety as checkpoint_safety
+from megapost.checkpoint.io import check_layout, check_save_dir
+from megapost.config.arguments import parse_args, validate_args
+from megapost.config.errors import ConfigError
+from megapost.data import (
     DataError,
     IndexedDataset,
     build_data_iterator,
 )
-from .data.blend import build_datasets
-from .data.tokenizer import build_tokenizer
-from .data.tokenizer_sidecar import check_tokenizer_sidecar
-from .distributed import init_distributed, world_size_from_env
-from .ds_config_builder import build_ds_config, reconcile_with_user_config
-from .hang_report import CollectiveFailure
-from .model import ModelConfig
-from .monitor import Monitor
-from .optimizer import build_optimizer
-from .parallel import (
+from megapost.data.blend import build_datasets
+from megapost.data.tokenizer import build_tokenizer
+from megapost.data.tokenizer_sidecar import check_tokenizer_sidecar
+from megapost.engine import hooks as engine_hooks
+from megapost.engine.ds_config import build_ds_config, reconcile_with_user_config
+from megapost.engine.optimizer import build_optimizer
+from megapost.engine.schedule import WarmupDecaySchedule
+from megapost.metrics.monitor import Monitor
+from megapost.metrics.peak_flops import resolve_peak
+from megapost.metrics.tensor_memory import LiveTensorMemory, tensor_memory_from_env
+from megapost.metrics.throughput import PeakMemory
+from megapost.model import ModelConfig
+from megapost.parallel import (
     build_model,
     deepspeed_config_errors,
     deepspeed_config_overrides,
@@ -40,16 +45,15 @@ from .parallel import (
     make_mpu,
     padded_vocab_size,
 )
-from .parallel.compile import compile_blocks
-from .peak_flops import resolve_peak
-from .plan import planned_rank_peak
-from .plugins import PluginContext, plugin_classes
-from .run_dir import apply_named_run, resolve_default_run
-from .schedule import WarmupDecaySchedule
-from .throughput import PeakMemory
-from .training import Trainer
-from .utils.atomic import atomic_path
-from .utils.tensor_memory import LiveTensorMemory, tensor_memory_from_env
+from megapost.parallel.compile import compile_blocks
+from megapost.plan import planned_rank_peak
+from megapost.plugin_api import PluginContext, plugin_classes
+from megapost.runtime import interrupts
+from megapost.runtime.distributed import init_distributed, world_size_from_env
+from megapost.runtime.hang_report import CollectiveFailure
+from megapost.runtime.run_dir import apply_named_run, resolve_default_run
+from megapost.train.trainer import Trainer
+from megapost.utils.atomic import atomic_path
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:

@@ -14,7 +14,7 @@ from collapse_metrics.plugin import CollapseMetricsPlugin
 from megapost.model import LlamaModel, ModelConfig, lm_loss
 from megapost.model.norm import DyT, RMSNorm
 from megapost.parallel.state import ParallelState
-from megapost.plugins import PluginContext
+from megapost.plugin_api import PluginContext
 
 Batch = dict[str, torch.Tensor]
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapost.arguments import parse_args
-from megapost.ds_config_builder import build_ds_config
+from megapost.config.arguments import parse_args
+from megapost.engine.ds_config import build_ds_config
 from megapost.model import lm_loss
 from megapost.model import loss as loss_mod
 from megapost.model.norm import RMSNorm

@@ -19,10 +19,10 @@ import pytest
 import torch
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
 
-from megapost.arguments import ConfigError
-from megapost.checkpoint_io import META_FILE
-from megapost.checkpoint_safety import ALLOWED_GLOBALS, SafeCheckpointEngine, load_file, write_error
-from megapost.layout_free import write_manifest
+from megapost.checkpoint.io import META_FILE
+from megapost.checkpoint.layout_free import write_manifest
+from megapost.checkpoint.safety import ALLOWED_GLOBALS, SafeCheckpointEngine, load_file, write_error
+from megapost.config.errors import ConfigError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 

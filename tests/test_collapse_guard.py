@@ -13,7 +13,7 @@ from collapse_metrics.guard import Remedy
 from collapse_metrics.outcome import read_run, summarize
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
-from megapost.arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 
 def _records(path) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 from collapse_helpers import make_plugin, random_batches, small_config
 from dist_utils import run_ranks
 
-from megapost import engine_hooks
+from megapost.engine import hooks as engine_hooks
 from megapost.model import lm_loss
 
 CONFIGS = [(0, False), (1, False), (2, False), (1, True), (2, True)]  # (ZeRO stage, bf16)

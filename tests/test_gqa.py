@@ -16,7 +16,8 @@ from dist_utils import (
     tiny_config,
 )
 
-from megapost.arguments import ConfigError, parse_args, validate_args
+from megapost.config.arguments import parse_args, validate_args
+from megapost.config.errors import ConfigError
 from megapost.model import LlamaModel, ModelConfig
 from megapost.parallel import layout_errors
 

@@ -1,5 +1,5 @@
 """A hung rank names itself: the surviving rank's one line names the collective, its group and the rank
-that stopped answering (megapost/hang_report.py), here with real gloo ranks, a real SIGSTOP and the
+that stopped answering (megapost/runtime/hang_report.py), here with real gloo ranks, a real SIGSTOP and the
 job's real TCPStore.  The same through the trainer and DeepSpeed's launcher: test_scale_out.py
 (test_hung_rank_times_out, slow)."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 
-from megapost.hang_report import Heartbeat, explain, heartbeat_interval, is_collective_error
+from megapost.runtime.hang_report import Heartbeat, explain, heartbeat_interval, is_collective_error
 
 TIMEOUT_S = 3.0
 

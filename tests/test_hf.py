@@ -22,8 +22,8 @@ import torch
 from launch_utils import REPO, pretrain, tiny_model_flags
 from safetensors.torch import load_file, save_file
 
-from megapost.arguments import ConfigError
-from megapost.layout_free import ShardIndex
+from megapost.checkpoint.layout_free import ShardIndex
+from megapost.config.errors import ConfigError
 from megapost.model import LlamaModel, ModelConfig
 
 TOKENS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 2, 8]])
@@ -176,7 +176,7 @@ def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "RoPE scaling"),
 ])
 def test_unrepresentable_hf_configs_are_refused(tmp_path, overrides, what) -> None:
-    from megapost.hf import model_flags_from_hf
+    from megapost.checkpoint.hf import model_flags_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,

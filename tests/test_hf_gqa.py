@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megapost.hf import export
+from megapost.checkpoint.hf import export
 from megapost.model import LlamaModel, ModelConfig
 
 transformers = pytest.importorskip("transformers")

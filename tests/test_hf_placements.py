@@ -1,5 +1,5 @@
 """Hugging Face export of every norm placement, in-process (no training): a tiny megapost model with its
-norm gains, DyT alphas and embedding scale moved off their init is exported by ``megapost.hf.export``
+norm gains, DyT alphas and embedding scale moved off their init is exported by ``checkpoint.hf.export``
 (what tools/convert_to_hf.py calls), loaded by transformers' real ``AutoModelForCausalLM`` with
 ``trust_remote_code=True``, and gives megapost's logits, also for a left-padded batch; ``--load-hf``
 reads the export back into the same megapost model. Old configs (``norm_position`` only) still load;
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megapost.arguments import ConfigError
-from megapost.hf import HFReader, export, model_flags_from_hf
-from megapost.layout_free import full_shapes
+from megapost.checkpoint.hf import HFReader, export, model_flags_from_hf
+from megapost.checkpoint.layout_free import full_shapes
+from megapost.config.errors import ConfigError
 from megapost.model import LlamaModel, ModelConfig
 from megapost.model.placements import PLACEMENTS
 
@@ -80,8 +80,8 @@ def _assert_same_logits(model: LlamaModel, hf: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_equals_megapost_and_imports_back(tiny_data, tmp_path, case) -> None:
-    from megapost.arguments import parse_args
-    from megapost.hf import apply_hf_flags
+    from megapost.checkpoint.hf import apply_hf_flags
+    from megapost.config.arguments import parse_args
     from megapost.pretrain import model_config_from_args
 
     model, cfg = _model(tiny_data.vocab_size, **CASES[case])

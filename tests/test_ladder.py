@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megapost.arguments import parse_args
+from megapost.config.arguments import parse_args
+from megapost.config.presets import PRESETS
 from megapost.model import ModelConfig, TransformerBlock
-from megapost.presets import PRESETS
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length")
 MODEL_PRESETS = [name for name in PRESETS if name != "tiny-cpu"]

@@ -8,8 +8,8 @@ import math
 import pytest
 from launch_utils import pretrain, read_scalars
 
-from megapost.arguments import parse_args
-from megapost.schedule import lr_at
+from megapost.config.arguments import parse_args
+from megapost.engine.schedule import lr_at
 
 
 def megatron_llama_flags(data, tb) -> list[str]:
@@ -98,7 +98,7 @@ def test_huggingface_and_null_tokenizers(tiny_data, tmp_path) -> None:
     null = build_tokenizer("NullTokenizer", None, 512)
     assert (null.vocab_size, null.eod) == (512, 511)
     pytest.importorskip("transformers")
-    from megapost.hf import write_tokenizer
+    from megapost.checkpoint.hf import write_tokenizer
 
     hf_dir = tmp_path / "hf_tok"
     hf_dir.mkdir()

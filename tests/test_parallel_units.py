@@ -22,7 +22,7 @@ from megapost.parallel import (
     padded_vocab_size,
     validate_layout,
 )
-from megapost.pipeline import model_parameter_name
+from megapost.parallel.pipeline import model_parameter_name
 
 TOL = 1e-6
 WORLD = 2

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from megapost import peak_flops
-from megapost.peak_flops import Peak, cache_file, resolve_peak, table_peak
+from megapost.metrics import peak_flops
+from megapost.metrics.peak_flops import Peak, cache_file, resolve_peak, table_peak
 
 CPU = torch.device("cpu")
 

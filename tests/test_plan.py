@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
+from megapost.config.presets import PRESETS
 from megapost.model import LlamaModel, ModelConfig, TransformerBlock
 from megapost.model.placements import PLACEMENTS
 from megapost.plan.__main__ import main as plan_main
 from megapost.plan.counts import parameter_counts, stage_layers, stage_parameters
 from megapost.plan.memory import Layout, Precision, layer_activation_bytes, model_state_bytes, stage_memory
-from megapost.presets import PRESETS
 
 SMALL = dict(vocab_size=512, num_layers=3, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
              seq_length=32)

@@ -66,7 +66,7 @@ def test_drop_events_after_keeps_each_tag_up_to_its_resume_point(tmp_path) -> No
     (a named run restarted before its first checkpoint)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from megapost.monitor import drop_events_after
+    from megapost.metrics.monitor import drop_events_after
 
     writer = SummaryWriter(str(tmp_path))
     for step in range(1, 6):

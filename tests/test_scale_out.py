@@ -268,7 +268,7 @@ def test_new_groups_take_the_distributed_timeout(tmp_path) -> None:
     """Groups DeepSpeed creates (new_group without a timeout) get --distributed-timeout-minutes."""
     code = """
 import argparse, torch, deepspeed.comm as ds_dist
-from megapost.distributed import init_distributed
+from megapost.runtime.distributed import init_distributed
 args = argparse.Namespace(local_rank=0, distributed_backend="gloo", distributed_timeout_minutes=0.25)
 init_distributed(args)
 cpu = torch.device("cpu")

@@ -17,7 +17,7 @@ import pytest
 from collapse_metrics.plugin import CollapseMetricsPlugin
 from launch_utils import REPO, child_env, run
 
-from megapost.arguments import parse_args
+from megapost.config.arguments import parse_args
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

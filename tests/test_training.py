@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from launch_utils import pretrain, read_scalars, scalar_tags, tiny_model_flags
 
-from megapost.arguments import parse_args
+from megapost.config.arguments import parse_args
 
 DYT_QK = ["--norm-position", "dyt", "--qk-norm", "--z-loss", "1e-3"]  # a placement with its own parameters
 
@@ -96,7 +96,7 @@ def test_tokenizer_vocab_must_cover_dataset(tiny_data, tmp_path, capsys) -> None
 
 
 def test_deepspeed_config_values_are_adopted_when_flags_are_not_typed(tmp_path) -> None:
-    from megapost.ds_config_builder import reconcile_with_user_config
+    from megapost.engine.ds_config import reconcile_with_user_config
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 1}}))
@@ -131,8 +131,8 @@ def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
 
 @pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
 def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_zero, zero, refused) -> None:
-    from megapost.arguments import ConfigError
-    from megapost.checkpoint_io import META_FILE, check_layout
+    from megapost.checkpoint.io import META_FILE, check_layout
+    from megapost.config.errors import ConfigError
 
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "latest").write_text("iter_0000002")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from megapost.arguments import ConfigError
-from megapost.hf import export
-from megapost.layout_free import ShardIndex, check_complete
+from megapost.checkpoint.hf import export
+from megapost.checkpoint.layout_free import ShardIndex, check_complete
+from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
 
 

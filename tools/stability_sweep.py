@@ -39,8 +39,8 @@ from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.outcome import read_run, summarize
 from collapse_metrics.plugin import CollapseMetricsPlugin
 
-from megapost.arguments import ConfigError
-from megapost.arguments import build_parser as trainer_parser
+from megapost.config.arguments import build_parser as trainer_parser
+from megapost.config.errors import ConfigError
 from megapost.data import SentencePieceTokenizer
 from megapost.model.placements import PLACEMENTS
 from megapost.utils.atomic import atomic_write_text

@@ -106,7 +106,7 @@ class DataSources:
 
 
 def sources_from_args(args: Any) -> DataSources:
-    """The data sources named by Megatron's flags on ``args`` (see megapost.arguments)."""
+    """The data sources named by Megatron's flags on ``args`` (see megapost.config.arguments)."""
     per_split_file = getattr(args, "per_split_data_args_path", None)
     if per_split_file:
         return DataSources(per_split=tuple(read_per_split_args_file(per_split_file)))  # type: ignore[arg-type]

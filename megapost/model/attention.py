@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .norm import RMSNorm
-from .rope import apply_rope, rope_cache
+from megapost.model.config import ModelConfig
+from megapost.model.norm import RMSNorm
+from megapost.model.rope import apply_rope, rope_cache
 
 
 def causal_running_mean(v: torch.Tensor) -> torch.Tensor:

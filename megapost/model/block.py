@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention
-from .config import ModelConfig
-from .mlp import SwiGLU
-from .norm import make_norm
-from .placements import Sublayer
-from .probe import Probe
+from megapost.model.attention import Attention
+from megapost.model.config import ModelConfig
+from megapost.model.mlp import SwiGLU
+from megapost.model.norm import make_norm
+from megapost.model.placements import Sublayer
+from megapost.model.probe import Probe
 
 
 class TransformerBlock(nn.Module):

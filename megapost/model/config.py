@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placements import PLACEMENTS, Sublayer, has_final_norm, layer_rules, norm_kind
+from megapost.model.placements import PLACEMENTS, Sublayer, has_final_norm, layer_rules, norm_kind
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import math
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .norm import DyT, RMSNorm
-from .placements import deepnorm_constants
+from megapost.model.config import ModelConfig
+from megapost.model.norm import DyT, RMSNorm
+from megapost.model.placements import deepnorm_constants
 
 EMBEDDING_STREAM = 0
 HEAD_STREAM = 1_000_000  # layer l uses stream l (1-based)

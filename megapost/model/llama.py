@@ -7,11 +7,11 @@ import math
 import torch
 from torch import nn
 
-from .block import TransformerBlock
-from .config import ModelConfig
-from .init import init_block_, init_embedding_, init_head_
-from .norm import make_norm
-from .probe import Probe
+from megapost.model.block import TransformerBlock
+from megapost.model.config import ModelConfig
+from megapost.model.init import init_block_, init_embedding_, init_head_
+from megapost.model.norm import make_norm
+from megapost.model.probe import Probe
 
 
 class Embedding(nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from megapost.model.config import ModelConfig
 
 
 class SwiGLU(nn.Module):

@@ -12,13 +12,13 @@ Call order on every rank::
                                       mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
 """
 
-from .build import ParallelLlamaModel, build_model, make_loss_fn
-from .ds_layout_config import deepspeed_config_errors, deepspeed_config_overrides
-from .gather import full_state_dict
-from .layout import layout_errors, padded_vocab_size, validate_layout
-from .mpu import MPU, make_mpu
-from .state import ParallelState, get_parallel_state, set_parallel_state
-from .topology import initialize_parallel
+from megapost.parallel.build import ParallelLlamaModel, build_model, make_loss_fn
+from megapost.parallel.ds_layout_config import deepspeed_config_errors, deepspeed_config_overrides
+from megapost.parallel.gather import full_state_dict
+from megapost.parallel.layout import layout_errors, padded_vocab_size, validate_layout
+from megapost.parallel.mpu import MPU, make_mpu
+from megapost.parallel.state import ParallelState, get_parallel_state, set_parallel_state
+from megapost.parallel.topology import initialize_parallel
 
 __all__ = [
     "MPU", "ParallelLlamaModel", "ParallelState", "build_model", "deepspeed_config_errors",

@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from megapost.model import Embedding, Head, ModelConfig, build_block
-
-from .activation_checkpoint import checkpoint_without_probes
-from .cross_entropy import vocab_parallel_lm_loss
-from .layout import validate_layout
-from .parallelize import parallelize_block, parallelize_embedding, parallelize_head
-from .state import ParallelState
+from megapost.parallel.activation_checkpoint import checkpoint_without_probes
+from megapost.parallel.cross_entropy import vocab_parallel_lm_loss
+from megapost.parallel.layout import validate_layout
+from megapost.parallel.parallelize import parallelize_block, parallelize_embedding, parallelize_head
+from megapost.parallel.state import ParallelState
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,7 +86,7 @@ def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations:
     """(model, loss_fn) for this rank. ``cfg.vocab_size`` must already be padded (``padded_vocab_size``).
 
     pp_size == 1: a ``ParallelLlamaModel``; call ``loss_fn(model(tokens), labels, loss_mask)``.
-    pp_size > 1: a ``megapost.pipeline.LlamaPipeline`` (a DeepSpeed ``PipelineModule`` with ``loss_fn``
+    pp_size > 1: a ``parallel.pipeline.LlamaPipeline`` (a DeepSpeed ``PipelineModule`` with ``loss_fn``
     built in) holding only this stage's layers; train it with ``engine.train_batch(data_iter)``.
     """
     validate_layout(cfg, pstate.tp_size, pstate.pp_size, pstate.sequence_parallel, cfg.seq_length,
@@ -95,7 +94,7 @@ def build_model(cfg: ModelConfig, pstate: ParallelState, checkpoint_activations:
     loss_fn = make_loss_fn(pstate, z_loss)
     if pstate.pp_size == 1:
         return ParallelLlamaModel(cfg, pstate, checkpoint_activations, checkpoint_num_layers), loss_fn
-    from megapost.pipeline import LlamaPipeline  # imports deepspeed.pipe
+    from megapost.parallel.pipeline import LlamaPipeline  # imports deepspeed.pipe
 
     return LlamaPipeline(cfg, pstate, loss_fn, checkpoint_activations, checkpoint_num_layers,
                          partition_method), loss_fn

@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megapost.model.loss import lm_loss, masked_lm_loss
-
-from . import collectives as C
-from .layers import tp_rank_size
+from megapost.parallel import collectives as C
+from megapost.parallel.layers import tp_rank_size
 
 
 class _VocabParallelCE(torch.autograd.Function):

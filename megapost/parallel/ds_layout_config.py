@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .state import ParallelState
+from megapost.parallel.state import ParallelState
 
 
 def deepspeed_config_overrides(pstate: ParallelState) -> dict[str, Any]:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as C
-from .state import ParallelState
+from megapost.parallel import collectives as C
+from megapost.parallel.state import ParallelState
 
 
 def full_state_dict(model: nn.Module, pstate: ParallelState) -> dict[str, torch.Tensor]:
@@ -17,7 +17,7 @@ def full_state_dict(model: nn.Module, pstate: ParallelState) -> dict[str, torch.
     (``ParallelLlamaModel`` or ``LlamaPipeline``, not the DeepSpeed engine)."""
     rename = (lambda name: name)
     if pstate.pp_size > 1:
-        from megapost.pipeline import model_parameter_name
+        from megapost.parallel.pipeline import model_parameter_name
 
         num_layers = model.config.num_layers
         rename = (lambda name: model_parameter_name(name, num_layers))

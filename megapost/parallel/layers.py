@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import collectives as C
-from .mappings import (
+from megapost.parallel import collectives as C
+from megapost.parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,

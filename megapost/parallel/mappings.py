@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import collectives as C
+from megapost.parallel import collectives as C
 
 SEQ_DIM = 1
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .state import ParallelState
+from megapost.parallel.state import ParallelState
 
 
 class MPU:

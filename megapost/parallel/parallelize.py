@@ -25,11 +25,15 @@ from typing import Any
 from torch import nn
 
 from megapost.model import Embedding, Head, TransformerBlock
-
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
-from .layout import TP_FLAG
-from .mappings import copy_to_tp_region, gather_from_sequence_region
-from .state import ParallelState
+from megapost.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_sequence_parallel,
+)
+from megapost.parallel.layout import TP_FLAG
+from megapost.parallel.mappings import copy_to_tp_region, gather_from_sequence_region
+from megapost.parallel.state import ParallelState
 
 
 def _map_input_once(module: nn.Module, pstate: ParallelState) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .layout import PP_FLAG, TP_FLAG
-from .state import ParallelState, set_parallel_state
+from megapost.parallel.layout import PP_FLAG, TP_FLAG
+from megapost.parallel.state import ParallelState, set_parallel_state
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, sequence_parallel: bool = False) -> ParallelState:

@@ -9,9 +9,8 @@ import torch
 
 from megapost.model import ModelConfig
 from megapost.model.loss import BLOCK_ELEMENTS, DEFAULT_BLOCK_ELEMENTS
-
-from .counts import ParameterCounts, parameter_counts
-from .memory import Layout, Precision, RankMemory, rank_memory, stage_memory
+from megapost.plan.counts import ParameterCounts, parameter_counts
+from megapost.plan.memory import Layout, Precision, RankMemory, rank_memory, stage_memory
 
 __all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_counts", "planned_rank_peak",
            "precision_from_ds_config", "rank_memory", "stage_memory"]
@@ -37,7 +36,7 @@ def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any,
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
                     args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
                     pstate.sequence_parallel, args.checkpoint_num_layers)
-    cuda = torch.cuda.is_available()  # megapost.optimizer builds fused AdamW on every device
+    cuda = torch.cuda.is_available()  # megapost.engine.optimizer builds fused AdamW on every device
     from megapost.model.norm import _ApexRMSNorm
 
     kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"

@@ -12,12 +12,12 @@ import json
 import sys
 from collections.abc import Sequence
 
-from megapost.arguments import ConfigError, build_parser, parse_with_preset
+from megapost.config.arguments import build_parser, parse_with_preset
+from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
-
-from . import precision_from_ds_config
-from .counts import parameter_counts
-from .search import Candidate, candidates, rank_key, recommend
+from megapost.plan import precision_from_ds_config
+from megapost.plan.counts import parameter_counts
+from megapost.plan.search import Candidate, candidates, rank_key, recommend
 
 GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")

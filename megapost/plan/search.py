@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 from megapost.model import ModelConfig
 from megapost.parallel.layout import layout_errors
-
-from .counts import parameter_counts
-from .memory import Layout, Precision, RankMemory, rank_memory
+from megapost.plan.counts import parameter_counts
+from megapost.plan.memory import Layout, Precision, RankMemory, rank_memory
 
 
 @dataclass

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megapost.arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip))$")
 
@@ -82,7 +82,7 @@ class Guard:
         self.snapshots: list[dict[str, Any]] = []
 
     def _apply_schedule(self, engine: Any) -> None:
-        """Write the remedy scales into the lr schedule (megapost.schedule.WarmupDecaySchedule)."""
+        """Write the remedy scales into the lr schedule (megapost.engine.schedule.WarmupDecaySchedule)."""
         if self.applied == (self.lr_scale, self.warmup_scale):
             return
         a, sched = self.args, engine.lr_scheduler

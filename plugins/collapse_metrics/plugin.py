@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megapost.model import set_listener
-from megapost.plugins import Plugin, PluginContext
+from megapost.plugin_api import Plugin, PluginContext
 
 from .corpus import train_split_frequency_loss
 from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies

@@ -3,7 +3,7 @@
 A tag is written under ``iter_XXXXXXX.tmp`` and renamed to ``iter_XXXXXXX`` by rank 0 once every rank
 has written its files; ``latest`` is then replaced atomically. A leftover ``*.tmp`` tag (a crash during
 a save) is never named by ``latest`` and is removed by the next save. Every file is read with
-:mod:`megapost.checkpoint_safety`'s weights-only loader; the client state is pickle-free (tensors,
+:mod:`megapost.checkpoint.safety`'s weights-only loader; the client state is pickle-free (tensors,
 numbers, strings, lists, tuples, dicts).
 """
 
@@ -23,9 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_safety, layout_free
-from .arguments import ConfigError
-from .utils.atomic import atomic_path, atomic_write_text
+from megapost.checkpoint import layout_free
+from megapost.checkpoint import safety as checkpoint_safety
+from megapost.config.errors import ConfigError
+from megapost.utils.atomic import atomic_path, atomic_write_text
 
 META_FILE = "megapost_meta.json"
 TMP_SUFFIX = ".tmp"
@@ -241,7 +242,7 @@ def _publish(directory: str, tmp_tag: str, tag: str) -> None:
 def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
          plugin_states: dict[str, Any], pstate: Any, write_extra: Callable[[str], None] | None = None) -> str:
     """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name): DeepSpeed's files (same-layout resume) plus
-    megapost's layout-free state (``megapost.layout_free``); ``latest`` moves only once both are complete.
+    megapost's layout-free state (``checkpoint.layout_free``); ``latest`` moves only once both are complete.
 
     ``write_extra(temp_tag_dir)``, when given, runs on every rank after those are written and before
     the tag is published: more files of the same tag go there."""

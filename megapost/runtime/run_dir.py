@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from .arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 LATEST_LINK = "latest"
 

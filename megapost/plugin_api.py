@@ -63,7 +63,7 @@ class Plugin:
 
     def after_iteration(self, iteration: int, trainer: Any) -> None:
         """Every optimizer step, after logging/eval/save; ``trainer.snapshot()`` / ``trainer.restore(s)``
-        (megapost.training.Trainer) return to an earlier state in memory."""
+        (megapost.train.trainer.Trainer) return to an earlier state in memory."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .model.config import ModelConfig
+from megapost.model.config import ModelConfig
 
 LADDER_VOCAB = 32000  # Llama / Llama-2 tokenizer
 CHINCHILLA_TOKENS_PER_PARAMETER = 20  # Hoffmann et al. 2022: compute-optimal D ~ 20 N

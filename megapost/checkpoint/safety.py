@@ -25,7 +25,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from .arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 # Every non-builtin global in the files DeepSpeed writes for megapost (ZeRO 0/1/2, bf16, PP > 1).
 ALLOWED_GLOBALS: tuple[type, ...] = (LossScaler, ZeroStageEnum, fragment_address)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 # Flags without a value that ask for what megapost always does.
 ALWAYS: dict[str, str] = {

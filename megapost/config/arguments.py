@@ -6,15 +6,9 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from .model.placements import PLACEMENTS
-from .presets import PRESETS
-
-
-class ConfigError(SystemExit):
-    """A one-line configuration error, raised before any heavy work."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"error: {message}")
+from megapost.config.errors import ConfigError
+from megapost.config.presets import PRESETS
+from megapost.model.placements import PLACEMENTS
 
 
 def _two_floats(text: str) -> tuple[float, float]:
@@ -175,8 +169,8 @@ def _validate_tokenizer(args: argparse.Namespace) -> None:
 
 def _validate_data(args: argparse.Namespace) -> None:
     """Every prefix of every source exists; ``args.data_sources`` holds them, ``args.data_path`` the first."""
-    from .data.blend import sources_from_args
-    from .data.errors import DataError
+    from megapost.data.blend import sources_from_args
+    from megapost.data.errors import DataError
 
     try:
         args.data_sources = sources_from_args(args)
@@ -216,7 +210,7 @@ def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser
     for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args,
                 _checkpoint_safety_args, _run_args):
         add(p)
-    from .megatron_flags import add_megatron_arguments
+    from megapost.config.megatron_flags import add_megatron_arguments
 
     add_megatron_arguments(p)
     for cls in plugin_classes:
@@ -245,7 +239,7 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
     args = parse_with_preset(build_parser(plugin_classes), argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    from .megatron_flags import apply_megatron_arguments
+    from megapost.config.megatron_flags import apply_megatron_arguments
 
     args.megatron_notes = apply_megatron_arguments(args)
     return args

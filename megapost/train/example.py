@@ -30,8 +30,8 @@ def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
 
 def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:
     from megapost.data import DataError
-    from megapost.interrupts import run_guarded
     from megapost.pretrain import main
+    from megapost.runtime.interrupts import run_guarded
 
     repo = Path(script).resolve().parent.parent
     try:  # signals, launcher death and a busy port are handled before the corpus build

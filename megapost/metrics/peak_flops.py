@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .utils.atomic import atomic_write_text
+from megapost.utils.atomic import atomic_write_text
 
 # (pattern on the device name, table name, {precision: dense TFLOP/s}); first match wins.
 PEAK_TABLE: tuple[tuple[str, str, dict[str, float]], ...] = (

@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .arguments import ConfigError
-from .model import ModelConfig
+from megapost.config.errors import ConfigError
+from megapost.model import ModelConfig
 
 REMOTE = Path(__file__).parent / "hf_remote"
 REMOTE_FILES = ("configuration_megapost.py", "modeling_megapost.py")
@@ -308,7 +308,7 @@ class HFReader:
 
 def load_hf_weights(engine: Any, pstate: Any, hf_dir: str) -> None:
     """Set this rank's weights (and fp32 masters) from a Hugging Face Llama directory."""
-    from .layout_free import full_shapes, local_parameters, set_local_params
+    from megapost.checkpoint.layout_free import full_shapes, local_parameters, set_local_params
 
     cfg: ModelConfig = engine.module.config
     reader = HFReader(hf_dir)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint_io import last_complete
+from megapost.checkpoint.io import last_complete
 
 
 def all_finite(tensors: Iterable[Any], device: torch.device) -> bool:

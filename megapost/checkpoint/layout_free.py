@@ -32,9 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .arguments import ConfigError
-from .model import LlamaModel, ModelConfig
-from .utils.atomic import atomic_path
+from megapost.config.errors import ConfigError
+from megapost.model import LlamaModel, ModelConfig
+from megapost.utils.atomic import atomic_path
 
 DIR = "layout_free"
 STATE = "state.safetensors"
@@ -58,7 +58,7 @@ def local_parameters(module: nn.Module, num_layers: int, pipeline: bool) -> dict
     """This rank's parameters under their ``LlamaModel`` names."""
     if not pipeline:
         return dict(module.named_parameters())
-    from .pipeline import model_parameter_name
+    from megapost.parallel.pipeline import model_parameter_name
 
     return {model_parameter_name(name, num_layers): p for name, p in module.named_parameters()}
 

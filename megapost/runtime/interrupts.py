@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .arguments import ConfigError
-from .utils.atomic import atomic_write_text
+from megapost.config.errors import ConfigError
+from megapost.utils.atomic import atomic_write_text
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_MASTER_PORT = "29500"

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_io, finite_guard
-from .hang_report import explain, is_collective_error, start_heartbeat
-from .interrupts import ExitConditions, last_checkpoint, resume_command
-from .monitor import Monitor
-from .parallel.state import ParallelState
-from .plugins import Plugin
-from .throughput import PeakMemory, Throughput, memory_gb
+from megapost.checkpoint import finite_guard
+from megapost.checkpoint import io as checkpoint_io
+from megapost.metrics.monitor import Monitor
+from megapost.metrics.throughput import PeakMemory, Throughput, memory_gb
+from megapost.parallel.state import ParallelState
+from megapost.plugin_api import Plugin
+from megapost.runtime.hang_report import explain, is_collective_error, start_heartbeat
+from megapost.runtime.interrupts import ExitConditions, last_checkpoint, resume_command
 
 
 @dataclass

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from .arguments import ConfigError
+from megapost.config.errors import ConfigError
 
 # (path in the DeepSpeed JSON, argparse dest) pairs that both may set.
 SHARED_KEYS: list[tuple[tuple[str, ...], str]] = [
