@@ -8,6 +8,7 @@ import argparse
 import math
 
 from megapost.config.errors import ConfigError
+from megapost.config.megatron_habits import add_habit_arguments, apply_habits
 
 # Flags without a value that ask for what megapost always does.
 ALWAYS: dict[str, str] = {
@@ -94,6 +95,7 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="+", help="test blend")
     g.add_argument("--data-args-path", help="file holding the --data-path list")
     g.add_argument("--per-split-data-args-path", help='JSON {"train": [...], "valid": [...], "test": [...]}')
+    add_habit_arguments(g, p)
 
 
 def _refuse(flag: str, what: str) -> ConfigError:
@@ -145,7 +147,7 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
         raise _refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N")
     if args.num_workers:
         notes.append(f"--num-workers {args.num_workers} (samples are read from the mmap in-process)")
-    return notes
+    return notes + apply_habits(args)
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

@@ -47,14 +47,14 @@ def drop_events_after(tb_dir: str, iteration: int, tokens: int, keep: frozenset[
 class Monitor:
     """Writes scalars against the step and against tokens consumed; no-op off the logging rank."""
 
-    def __init__(self, tensorboard_dir: str | None, enabled: bool) -> None:
+    def __init__(self, tensorboard_dir: str | None, enabled: bool, max_queue: int = 100) -> None:
         self.enabled = enabled
         self.writer: Any = None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(tensorboard_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100, flush_secs=10)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=max_queue, flush_secs=10)
         self._t0 = time.time()
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, tokens: int) -> None:
