@@ -41,6 +41,10 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "ckpt_format": (("torch", "torch_dist"), "DeepSpeed checkpoints plus megapost's layout-free state"),
 }
 
+# Megatron flags whose (checked) values mean what megapost does anyway; listed at start-up when typed.
+SAME_MEANING = ("rotary_percent", "kv_channels", "max_position_embeddings", "attention_dropout",
+                "hidden_dropout", "context_parallel_size", "tokenizer_type")
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "NullTokenizer")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -111,6 +115,10 @@ def _samples_to_iters(args: argparse.Namespace, samples: int, flag: str) -> int:
 def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
     """Check and translate the Megatron spellings on ``args``; returns the start-up notes."""
     notes = [f"{flag} ({why})" for flag, why in ALWAYS.items() if getattr(args, flag[2:].replace("-", "_"))]
+    same = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in (*CHOICES, *SAME_MEANING)
+            if d in args.explicit]
+    if same:
+        notes.append("with Megatron's meaning: " + ", ".join(same))
     for dest, (allowed, why) in CHOICES.items():
         value = getattr(args, dest)
         if value is not None and value not in allowed:
