@@ -72,6 +72,9 @@ class Monitor:
         self.writer.flush()
         own = getattr(self.writer.file_writer.event_writer, "_file_name", "")
         drop_events_after(self.writer.log_dir, iteration, tokens, frozenset({os.path.basename(own)}))
+        for sub, _, files in os.walk(self.writer.log_dir):  # runs of their own (e.g. layers/L00)
+            if sub != self.writer.log_dir and any("tfevents" in f for f in files):
+                drop_events_after(sub, iteration, tokens)
 
     def line(self, text: str) -> None:
         if self.enabled:
