@@ -121,14 +121,14 @@ def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[A
            "alarm: collapsed, transition": [r"^collapse/(collapsed|transition)$"],
            "first/last-layer gradient ratio (log10)": [r"^collapse/log10_grad_ratio$"]}
     top |= {f"{name} over layers": [rf"^collapse/summary/{name}/"] for name in SUMMARIES}
-    layout = {"collapse": {name: ["Multiline", regexes] for name, regexes in top.items()}}
     overlaid = {"loss vs frequency loss (a run per curve)": [r"^loss/vs_frequency_loss$"]}
     overlaid |= {f"{q} {k} (a run per layer)": [rf"^layer/{q}/{k}$"] for q in ("t_sim", "alpha")
                  for k in SUBLAYERS if q != "t_sim"}
     overlaid |= {f"t_sim {k} {t} (a run per layer)": [rf"^layer/t_sim/{k}/{t}$"] for k in SUBLAYERS
                  for t in ("x", "y", "out")}
     overlaid["log10 grad norm (a run per layer)"] = [r"^layer/log10_grad_norm$"]
-    layout["overlaid"] = {name: ["Multiline", regexes] for name, regexes in overlaid.items()}
+    layout = {"overlaid": {name: ["Multiline", regexes] for name, regexes in overlaid.items()},
+              "collapse": {name: ["Multiline", regexes] for name, regexes in top.items()}}
     for group in layer_groups(layers):
         ids = "|".join(f"{n:02d}" for n in group)
         charts: dict[str, list[str]] = {}
