@@ -2,11 +2,14 @@
 #   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
 #   make test               ruff check . && python -m pytest -q   (what .ci/run runs)
 # Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
-#   ARGS="--train-iters 1000" (flags for the example); PYTEST_ARGS="-m slow".
+#   ARGS="--train-iters 1000" (flags for the example); LAUNCHER="--master_port 29600" (flags for the
+#   deepspeed launcher, e.g. another port or --num_gpus 2); PYTEST_ARGS="-m slow".
 PYTHON ?= python
 TORCH ?= torch==2.13.0
 ARGS ?=
+LAUNCHER ?=
 PYTEST_ARGS ?=
+LAUNCHER ?=
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megapost/torch_extensions
 
@@ -19,7 +22,7 @@ endif
 	$(PIP) -e ".[dev,hf]"
 
 train: install
-	deepspeed examples/pretrain_postnorm.sh $(ARGS)
+	deepspeed $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
 
 test: install
 	ruff check .

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,8 +16,10 @@ import torch
 from megapost.checkpoint import hf
 from megapost.checkpoint import safety as checkpoint_safety
 from megapost.checkpoint.io import check_layout, check_save_dir
+from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
 from megapost.config.errors import ConfigError
+from megapost.config.megatron_habits import init_summary
 from megapost.data import (
     DataError,
     IndexedDataset,
@@ -49,11 +50,12 @@ from megapost.parallel.compile import compile_blocks
 from megapost.plan import planned_rank_peak
 from megapost.plugin_api import PluginContext, plugin_classes
 from megapost.runtime import interrupts
+from megapost.runtime.cpu import bf16_note, set_threads
 from megapost.runtime.distributed import init_distributed, world_size_from_env
 from megapost.runtime.hang_report import CollectiveFailure
 from megapost.runtime.run_dir import apply_named_run, resolve_default_run
+from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.trainer import Trainer
-from megapost.utils.atomic import atomic_path
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -131,7 +133,9 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     pre.add_argument("--plugins", default="")
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
     args = parse_args(argv, classes)
+    threads = set_threads()  # before any heavy work: cores / local ranks unless OMP_NUM_THREADS
     apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
+    args.megatron_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
     user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env()
     validate_args(args, world_size)
@@ -154,6 +158,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
         check_layout(args)
     check_save_dir(args)
 
+    interrupts.check_master_port()  # right before the process group binds it: after the corpus build
     device = init_distributed(args)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     interrupts.PROGRESS.args = args
@@ -169,8 +174,10 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:
             print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
-    monitor = Monitor(args.tensorboard_dir, enabled=pstate.is_logging_rank)
+    monitor = Monitor(args.tensorboard_dir, enabled=pstate.is_logging_rank,
+                      max_queue=args.tensorboard_queue_size)
     plugins = build_plugins(classes, args, model_cfg, pstate, monitor)
+    plugins += manual_gc_plugins(args, model_cfg, pstate)
     for plugin in plugins:
         plugin.on_model_built(model)
     optimizer = build_optimizer(model, args)
@@ -198,19 +205,22 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     if args.load:
         trainer.load()
+        scheduler.load_state_dict(scheduler.state_dict())  # the new schedule's lr from the first step
     elif args.load_hf:
         hf.load_hf_weights(engine, pstate, args.load_hf)
         monitor.line(f" loaded the weights of {args.load_hf}")
     elif args.run_dir:  # a named run restarted before its first checkpoint: its logs start over
         trainer.continue_logs(-1, -1)
     monitor.line(f" megapost: {model_cfg.parameter_summary()}, norm={args.norm_position}, "
+                 f"{init_summary(args)}, {'bf16' if args.bf16 else 'fp32'}, {threads}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
+    for note in [n for n in (bf16_note(args.bf16, device),) if n]:
+        monitor.line(f" megapost: {note}")
     for note in args.megatron_notes:
         monitor.line(f" megapost: accepted {note}")
-    if pstate.is_logging_rank and args.tensorboard_dir:
-        with atomic_path(os.path.join(args.tensorboard_dir, "args.json")) as tmp, open(tmp, "w") as f:
-            json.dump({k: v for k, v in vars(args).items() if k != "explicit"}, f, indent=1, default=str)
+    if pstate.is_logging_rank:
+        launches.write_record(args, [args.tensorboard_dir, args.save])
     try:
         history = trainer.train()
     finally:

@@ -29,13 +29,14 @@ def test_unnamed_runs_get_their_own_directories(tiny_data, tmp_path) -> None:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    runs = sorted(p for p in tmp_path.iterdir() if not p.is_symlink())
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert len(runs) == 2 and all(r.name.startswith("postnorm-") for r in runs)
     for run in runs:
         assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
         assert sorted(read_scalars(run / "tensorboard", "train/lm_loss")) == [1, 2]
         assert sum(f"run directory: {run} (new run)" in out for out in outs) == 1
-    assert (tmp_path / "latest").resolve() in runs
+    latest = tmp_path / "latest"  # a file naming the run: TensorBoard shows no duplicate
+    assert tmp_path / latest.read_text().strip() in runs and not latest.is_symlink()
 
 
 def test_resume_continues_tensorboard_and_jsonl_without_repeats(tiny_data, tmp_path) -> None:

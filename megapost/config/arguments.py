@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 
 from megapost.config.errors import ConfigError
+from megapost.config.parser import OneLineParser
 from megapost.config.presets import PRESETS
 from megapost.model.placements import PLACEMENTS
 
@@ -29,9 +30,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group-query-attention", action="store_true",
                    help="Megatron's switch for --num-query-groups (which alone is enough here)")
     g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--norm-position", choices=list(PLACEMENTS), default="post",
+    g.add_argument("--norm-position", choices=list(PLACEMENTS),
                    help="norm placement (docs/placements.md): post, pre, sandwich (Peri-LN), deepnorm, "
-                        "mix (Mix-LN), hybrid (HybridNorm), pre-scaled (LayerNorm Scaling), dyt (DyT)")
+                        "mix (Mix-LN), hybrid (HybridNorm), pre-scaled (LayerNorm Scaling), dyt (DyT); "
+                        "default post, but pre with Megatron's model flags (--swiglu, ...), as Megatron")
     g.add_argument("--mix-post-fraction", type=float, default=0.25,
                    help="mix: the first floor(rho * layers) layers Post-Norm, the rest Pre-Norm")
     g.add_argument("--dyt-alpha-init", type=_two_floats, default=(0.8, 0.2), metavar="ATTN,OTHER",
@@ -82,6 +84,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="PaLM's auxiliary COEF * log^2 Z per token (e.g. 1e-4), in the gradient only: "
                         "lm_loss stays the cross-entropy")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--no-bf16", "--fp32", dest="bf16", action="store_false", default=argparse.SUPPRESS,
+                   help="train in fp32 even when --preset turns bf16 on")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0)
     g.add_argument("--checkpoint-activations", action="store_true")
@@ -124,6 +128,8 @@ def _io_args(p: argparse.ArgumentParser) -> None:
 
 def _trust_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data identity and MFU peak")
+    g.add_argument("--override-data", action="store_true",
+                   help="resume a run on other data/tokenizer flags than it was trained with (noted)")
     g.add_argument("--allow-tokenizer-mismatch", action="store_true",
                    help="train although --data-path's .tokenizer.json names another tokenizer (a warning)")
     g.add_argument("--remeasure-peak", action="store_true",
@@ -205,8 +211,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("megapost-pretrain", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser("megapost-pretrain", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _data_args, _training_args, _parallel_args, _io_args, _trust_args,
                 _checkpoint_safety_args, _run_args):
         add(p)
@@ -240,8 +246,10 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     from megapost.config.megatron_flags import apply_megatron_arguments
+    from megapost.config.megatron_habits import resolve_norm_position, typed_init_wins
 
-    args.megatron_notes = apply_megatron_arguments(args)
+    implied = [resolve_norm_position(args, argv), typed_init_wins(args)]
+    args.megatron_notes = [n for n in implied if n] + apply_megatron_arguments(args)
     return args
 
 
@@ -284,8 +292,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1"
         )
     _check_query_groups(args, tp)
-    if args.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
+        args.sequence_parallel = False
+        args.megatron_notes = [*getattr(args, "megatron_notes", []),
+                               "--sequence-parallel (off: --tensor-model-parallel-size is 1, as Megatron)"]
     _validate_tokenizer(args)
     _validate_data(args)
     if args.load and args.load_hf:

@@ -8,6 +8,7 @@ import argparse
 import math
 
 from megapost.config.errors import ConfigError
+from megapost.config.megatron_habits import add_habit_arguments, apply_habits
 
 # Flags without a value that ask for what megapost always does.
 ALWAYS: dict[str, str] = {
@@ -39,6 +40,10 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "transformer_impl": (("local", "transformer_engine"), "megapost's own torch implementation"),
     "ckpt_format": (("torch", "torch_dist"), "DeepSpeed checkpoints plus megapost's layout-free state"),
 }
+
+# Megatron flags whose (checked) values mean what megapost does anyway; listed at start-up when typed.
+SAME_MEANING = ("rotary_percent", "kv_channels", "max_position_embeddings", "attention_dropout",
+                "hidden_dropout", "context_parallel_size", "tokenizer_type")
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "NullTokenizer")
@@ -94,6 +99,7 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="+", help="test blend")
     g.add_argument("--data-args-path", help="file holding the --data-path list")
     g.add_argument("--per-split-data-args-path", help='JSON {"train": [...], "valid": [...], "test": [...]}')
+    add_habit_arguments(g, p)
 
 
 def _refuse(flag: str, what: str) -> ConfigError:
@@ -109,6 +115,10 @@ def _samples_to_iters(args: argparse.Namespace, samples: int, flag: str) -> int:
 def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
     """Check and translate the Megatron spellings on ``args``; returns the start-up notes."""
     notes = [f"{flag} ({why})" for flag, why in ALWAYS.items() if getattr(args, flag[2:].replace("-", "_"))]
+    same = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in (*CHOICES, *SAME_MEANING)
+            if d in args.explicit]
+    if same:
+        notes.append("with Megatron's meaning: " + ", ".join(same))
     for dest, (allowed, why) in CHOICES.items():
         value = getattr(args, dest)
         if value is not None and value not in allowed:
@@ -145,7 +155,7 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
         raise _refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N")
     if args.num_workers:
         notes.append(f"--num-workers {args.num_workers} (samples are read from the mmap in-process)")
-    return notes
+    return notes + apply_habits(args)
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

@@ -47,14 +47,14 @@ def drop_events_after(tb_dir: str, iteration: int, tokens: int, keep: frozenset[
 class Monitor:
     """Writes scalars against the step and against tokens consumed; no-op off the logging rank."""
 
-    def __init__(self, tensorboard_dir: str | None, enabled: bool) -> None:
+    def __init__(self, tensorboard_dir: str | None, enabled: bool, max_queue: int = 100) -> None:
         self.enabled = enabled
         self.writer: Any = None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(tensorboard_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100, flush_secs=10)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=max_queue, flush_secs=10)
         self._t0 = time.time()
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, tokens: int) -> None:
@@ -72,6 +72,9 @@ class Monitor:
         self.writer.flush()
         own = getattr(self.writer.file_writer.event_writer, "_file_name", "")
         drop_events_after(self.writer.log_dir, iteration, tokens, frozenset({os.path.basename(own)}))
+        for sub, _, files in os.walk(self.writer.log_dir):  # runs of their own (e.g. layers/L00)
+            if sub != self.writer.log_dir and any("tfevents" in f for f in files):
+                drop_events_after(sub, iteration, tokens)
 
     def line(self, text: str) -> None:
         if self.enabled:

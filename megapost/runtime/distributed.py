@@ -10,6 +10,8 @@ import socket
 import deepspeed
 import torch
 
+from megapost.config.errors import ConfigError
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -52,10 +54,21 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
         device = torch.device("cpu")
         skip_cpu_shm_op_build()
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
+                          "use --distributed-backend gloo, or leave the flag out")
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     default_group_timeout(timeout)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                               verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                   verbose=False)
+    except RuntimeError as e:  # the port was taken between the check and the bind (DistNetworkError)
+        if "address already in use" not in str(e).lower() and "EADDRINUSE" not in str(e):
+            raise
+        port = os.environ.get("MASTER_PORT")
+        raise ConfigError(f"port {port} (MASTER_PORT) is already in use on this node, another job holds it; "
+                          "launch with another, e.g. `deepspeed --master_port N ...` (make train "
+                          'LAUNCHER="--master_port N")') from None
     return device
 
 

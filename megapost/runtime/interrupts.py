@@ -11,7 +11,8 @@
 * With it, SIGINT and SIGTERM only raise a flag; the trainer saves at the next step boundary and
   exits 0. Ranks agree on the boundary with one all-reduce (MAX) of a 2-int CPU tensor over gloo per
   step (no device sync), done only when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
-* Before the corpus build, rank 0 checks that ``MASTER_PORT`` is free (one line naming ``--master_port``).
+* After the corpus build, right before the process group binds it, rank 0 checks that ``MASTER_PORT`` is
+  free (one line naming ``--master_port`` and ``make train LAUNCHER=...``).
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def check_master_port(wait_s: float = 120.0) -> None:
                 suggestion = free.getsockname()[1]
             raise ConfigError(
                 f"port {port} (MASTER_PORT) is already in use on this node, another job holds it; launch "
-                f"with another, e.g. `deepspeed --master_port {suggestion} ...`"
+                f"with another, e.g. `deepspeed --master_port {suggestion} ...` (make train "
+                f"LAUNCHER=\"--master_port {suggestion}\")"
             )
     elif rank < int(env["LOCAL_SIZE"]):  # rank 0's node
         deadline = time.time() + wait_s
@@ -203,7 +205,6 @@ def at_rank_start() -> None:
     at_rank_start.done = True  # type: ignore[attr-defined]
     install_handlers()
     die_with_launcher()
-    check_master_port()
 
 
 # ---- the one line ---------------------------------------------------------------------------------------

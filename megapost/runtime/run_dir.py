@@ -2,7 +2,8 @@
 
 A named run that already holds a checkpoint is resumed (Megatron's habit of ``--load`` = ``--save``);
 an unnamed run gets a fresh ``<norm>norm-<YYYYmmdd-HHMMSS>`` directory, picked by global rank 0 and
-broadcast so every rank (every node) agrees. ``<runs-dir>/latest`` is a symlink to the newest run.
+broadcast so every rank (every node) agrees. ``<runs-dir>/latest`` is a one-line file naming the newest
+run (a file, not a symlink: ``tensorboard --logdir runs`` would show a symlink as a second copy of the run).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from megapost.config.errors import ConfigError
+from megapost.utils.atomic import atomic_write_text
 
 LATEST_LINK = "latest"
 
@@ -57,12 +59,24 @@ def _new_run_dir(runs_dir: str, base: str) -> str:
 
 
 def link_latest(runs_dir: str, name: str) -> None:
-    """``runs_dir/latest`` -> ``name``, replaced atomically."""
-    tmp = os.path.join(runs_dir, f".{LATEST_LINK}.tmp-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(name, tmp)
-    os.replace(tmp, os.path.join(runs_dir, LATEST_LINK))
+    """``runs_dir/latest``: a file holding ``name``, replaced atomically (an old symlink included)."""
+    path = os.path.join(runs_dir, LATEST_LINK)
+    if os.path.islink(path):
+        os.unlink(path)
+    atomic_write_text(path, name + "\n")
+
+
+def latest_run(runs_dir: str) -> str | None:
+    """The newest run's directory named by ``runs_dir/latest`` (None when there is none)."""
+    path = os.path.join(runs_dir, LATEST_LINK)
+    try:
+        if os.path.islink(path):  # written by an older megapost
+            return os.path.realpath(path)
+        with open(path) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return os.path.join(runs_dir, name) if name else None
 
 
 def resolve_default_run(args: argparse.Namespace) -> None:
@@ -78,6 +92,14 @@ def resolve_default_run(args: argparse.Namespace) -> None:
             dist.broadcast_object_list(chosen, src=0)
         args.run_name = chosen[0]
         _use(args, os.path.join(args.runs_dir, args.run_name))
+    inside = [d for d in (args.save, args.tensorboard_dir)
+              if d and os.path.abspath(d).startswith(os.path.abspath(args.run_dir) + os.sep)]
+    if rank == 0 and not inside:  # --save and --tensorboard-dir elsewhere: no empty run directory
+        with contextlib.suppress(OSError):
+            os.rmdir(args.run_dir)
+        print(f" run directory: none (--save and --tensorboard-dir are elsewhere: {args.save}, "
+              f"{args.tensorboard_dir})", flush=True)
+        return
     if rank == 0:
         os.makedirs(args.run_dir, exist_ok=True)
         link_latest(args.runs_dir, args.run_name)

@@ -16,16 +16,26 @@ def example_argv(norm: str, repo: Path, user_argv: Sequence[str]) -> list[str]:
     data_dir = Path(os.environ.get("MEGAPOST_DATA_DIR", repo / "data"))
     user = [a for a in user_argv if not a.startswith("--local_rank")]
     typed = {a.split("=", 1)[0] for a in user}
-    if "--data-path" in typed and "--tokenizer-model" in typed:
+    out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))  # each run: a directory of its own
+    if ("--data-path" in typed and "--tokenizer-model" in typed) or _resumes_with_data(out, user):
         data_flags: list[str] = []
     else:
         prefix, tokenizer = prepare_default_data(data_dir)  # idempotent, locked across ranks
         data_flags = ["--data-path", str(prefix), "--tokenizer-model", str(tokenizer)]
-    out = Path(os.environ.get("MEGAPOST_RUN_DIR", repo / "runs"))  # each run: a directory of its own
     argv = ["--preset", "tiny-cpu", "--norm-position", norm, *data_flags, "--runs-dir", str(out)]
     if importlib.util.find_spec("collapse_metrics.plugin") is not None:
         argv += ["--plugins", "collapse_metrics", "--collapse-interval", "10"]
     return argv + user
+
+
+def _resumes_with_data(runs: Path, user: Sequence[str]) -> bool:
+    """``--run-name N`` of a run that recorded its data: the resume reuses it (config/launches.py)."""
+    from megapost.config.launches import read_launches
+
+    if "--run-name" not in user or user.index("--run-name") + 1 >= len(user):
+        return False
+    run = runs / user[user.index("--run-name") + 1]
+    return any(read_launches(str(run / sub)) for sub in ("checkpoints", "tensorboard"))
 
 
 def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:

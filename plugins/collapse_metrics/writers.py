@@ -10,7 +10,9 @@ Per-layer detail behind it (the ``collapse_layers`` group; l zero-padded to two 
     collapse_layers/t_sim/L{l}/{k}/{x|y|out}     collapse_layers/rms_factor/L{l}/{k}/{mean|min|max}
     collapse_layers/resid_norm/L{l}/{k}  collapse_layers/alpha/L{l}/{k}  collapse_layers/c/L{l}/{k}
     collapse_layers/grad_norm/L{l}  (+ /attn, /ffn, /norms)
-Alarm lines are also TensorBoard text (``collapse/alerts``). Null values (e.g. t_sim/out under
+Layers and the loss curves are also written as runs of their own (overlay.py: ``layers/L{l}/``,
+``loss/<curve>/``) so TensorBoard colours them apart. Alarm lines are also TensorBoard text
+(``collapse/alerts``). Null values (e.g. t_sim/out under
 Pre-Norm, alpha at step 0) are not written. Custom scalars: one chart per summary quantity
 (min/median/max/deepest together) and, per layer group of ``LAYER_GROUP`` layers, one chart per
 per-layer quantity (few enough series to tell apart).
@@ -28,6 +30,7 @@ import numpy as np
 
 from megapost.utils.atomic import atomic_write_text
 
+from .overlay import Overlay
 from .table import SUBLAYERS
 
 JSONL_NAME = "collapse_metrics.jsonl"
@@ -116,9 +119,16 @@ def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[A
     top = {"loss vs frequency loss": [r"^collapse/loss$", r"^collapse/freq_loss/"],
            "t_sim embed/head": [r"^collapse/t_sim/(embed|head)$"],
            "alarm: collapsed, transition": [r"^collapse/(collapsed|transition)$"],
-           "first/last-layer gradient ratio": [r"^collapse/grad_ratio$"]}
+           "first/last-layer gradient ratio (log10)": [r"^collapse/log10_grad_ratio$"]}
     top |= {f"{name} over layers": [rf"^collapse/summary/{name}/"] for name in SUMMARIES}
-    layout = {"collapse": {name: ["Multiline", regexes] for name, regexes in top.items()}}
+    overlaid = {"loss vs frequency loss (a run per curve)": [r"^loss/vs_frequency_loss$"]}
+    overlaid |= {f"{q} {k} (a run per layer)": [rf"^layer/{q}/{k}$"] for q in ("t_sim", "alpha")
+                 for k in SUBLAYERS if q != "t_sim"}
+    overlaid |= {f"t_sim {k} {t} (a run per layer)": [rf"^layer/t_sim/{k}/{t}$"] for k in SUBLAYERS
+                 for t in ("x", "y", "out")}
+    overlaid["log10 grad norm (a run per layer)"] = [r"^layer/log10_grad_norm$"]
+    layout = {"overlaid": {name: ["Multiline", regexes] for name, regexes in overlaid.items()},
+              "collapse": {name: ["Multiline", regexes] for name, regexes in top.items()}}
     for group in layer_groups(layers):
         ids = "|".join(f"{n:02d}" for n in group)
         charts: dict[str, list[str]] = {}
@@ -178,6 +188,7 @@ class Writers:
     def __init__(self, writer: Any, directory: str | None, layers: tuple[int, ...],
                  image_interval: int) -> None:
         self.writer = writer
+        self.overlay = Overlay(writer, writer.log_dir) if writer is not None else None  # layers as runs
         self.layers = layers
         self.image_interval = image_interval
         self.heatmap = TsimHeatmap(layers)
@@ -223,6 +234,7 @@ class Writers:
         for tag, value in tags.items():
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
+        self.overlay.write(step, layer_records, step_record)
         if self.image_interval and self.measured % self.image_interval == 0:
             self.writer.add_figure("collapse/t_sim_heatmap", self.heatmap.figure(), step, close=True)
 
@@ -248,3 +260,4 @@ class Writers:
             self.jsonl = None
         if self.writer is not None:
             self.writer.flush()
+            self.overlay.close()

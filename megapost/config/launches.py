@@ -1,0 +1,124 @@
+"""Every launch of a run, kept in ``args.json``; a resume reuses the saved data settings and refuses
+(one line) data that differs unless ``--override-data`` (then noted), as Megatron's
+``--override-opt_param-scheduler`` is for the schedule.
+
+``args.json`` (in the TensorBoard directory, and in ``--save`` so ``--load`` alone finds it) holds the
+latest launch's flags at the top level (what analysis tools read) and ``launches``: every launch, oldest
+first, each with its time, command line, data and schedule settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from megapost.config.errors import ConfigError
+
+ARGS_JSON = "args.json"
+DATA_KEYS = ("data_path", "split", "tokenizer_type", "tokenizer_model", "vocab_size", "train_data_path",
+             "valid_data_path", "test_data_path", "data_args_path", "per_split_data_args_path")
+SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters",
+                 "lr_wsd_decay_iters", "lr_wsd_decay_style")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _norm(value: Any) -> Any:
+    """Paths compared absolute; numbers in a blend as given."""
+    if isinstance(value, list):
+        return [_norm(v) for v in value]
+    if isinstance(value, str) and (os.sep in value or os.path.exists(value)):
+        return os.path.abspath(value)
+    return value
+
+
+def data_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The data/tokenizer flags as given (before validation rewrites ``data_path``)."""
+    return {k: _norm(getattr(args, k, None)) for k in DATA_KEYS}
+
+
+def read_launches(directory: str | None) -> list[dict[str, Any]]:
+    """The launch history in ``directory/args.json`` (empty when absent or unreadable)."""
+    if not directory:
+        return []
+    try:
+        with open(os.path.join(directory, ARGS_JSON)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return saved.get("launches", []) if isinstance(saved, dict) else []
+
+
+def previous_launches(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What the resumed run recorded: ``--load``'s args.json, else the TensorBoard directory's."""
+    return read_launches(args.load) or read_launches(getattr(args, "tensorboard_dir", None))
+
+
+def reconcile_resume(args: argparse.Namespace) -> list[str]:
+    """Resuming (``--load`` set): untyped data flags take the saved values; typed ones that differ are
+    refused unless --override-data. Changed schedule flags are noted. Returns the start-up notes."""
+    args.launch_history = previous_launches(args)
+    args.launch_data = data_settings(args)
+    if not args.load or not args.launch_history:
+        return []
+    last = args.launch_history[-1]
+    saved, changed = last.get("data", {}), []
+    for key in DATA_KEYS:
+        if key not in saved:
+            continue
+        if key not in args.explicit:
+            setattr(args, key, saved[key])
+        elif _norm(getattr(args, key)) != saved[key]:
+            changed.append(f"{_flag(key)} {_show(saved[key])} -> {_show(getattr(args, key))}")
+    notes = []
+    if changed and not args.override_data:
+        raise ConfigError(f"resuming {args.load}, trained with other data: {'; '.join(changed)}; pass the "
+                          "run's data flags again (or none), or --override-data to continue on the new data")
+    if changed:
+        notes.append(f"--override-data: continuing on new data ({'; '.join(changed)})")
+    args.launch_data = data_settings(args)
+    schedule = [f"{_flag(k)} {last['schedule'][k]} -> {getattr(args, k)}" for k in SCHEDULE_KEYS
+                if k in last.get("schedule", {}) and last["schedule"][k] != getattr(args, k)]
+    if schedule:
+        notes.append(f"schedule changed since the last launch ({'; '.join(schedule)}): the new schedule "
+                     "sets the lr from the resumed iteration on")
+    return notes
+
+
+def fresh_start(args: argparse.Namespace) -> str | None:
+    """Megatron's ``--save X --load X`` on a first launch: X has no checkpoint yet, so start fresh."""
+    if not args.load or not args.save or os.path.abspath(args.load) != os.path.abspath(args.save):
+        return None
+    if os.path.isfile(os.path.join(args.load, "latest")):
+        return None
+    args.load = None
+    return f"--load {args.save}: no checkpoint there yet; starting a new run that saves to it (as Megatron)"
+
+
+def _show(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def record(args: argparse.Namespace) -> dict[str, Any]:
+    """args.json's content: this launch's flags at the top level, and the history with it appended."""
+    flat = {k: v for k, v in vars(args).items() if k not in ("explicit", "launch_history", "launch_data")}
+    launch = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
+              "data": getattr(args, "launch_data", data_settings(args)),
+              "schedule": {k: getattr(args, k, None) for k in SCHEDULE_KEYS}}
+    return {**flat, "launches": [*getattr(args, "launch_history", []), launch]}
+
+
+def write_record(args: argparse.Namespace, directories: list[str | None]) -> None:
+    """Rank 0: args.json (atomically) into each existing directory of ``directories``."""
+    from megapost.utils.atomic import atomic_write_text
+
+    text = json.dumps(record(args), indent=1, default=str)
+    for directory in {d for d in directories if d}:
+        os.makedirs(directory, exist_ok=True)
+        atomic_write_text(os.path.join(directory, ARGS_JSON), text)

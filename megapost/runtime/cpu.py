@@ -1,0 +1,57 @@
+"""CPU facts a run states at start-up: torch threads per rank, and whether bf16 is native."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The ``flags`` of the first CPU in ``path`` (empty when unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(flags: set[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def bf16_note(bf16: bool, device: torch.device, flags: set[str] | None = None) -> str | None:
+    """One line for a bf16 run on a CPU without AVX-512-BF16/AMX (emulated bf16 is ~10x slower)."""
+    if not bf16 or device.type != "cpu":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if not flags or native_bf16(flags):
+        return None
+    return ("bf16 on this CPU (no avx512_bf16/amx_bf16 in /proc/cpuinfo) is emulated: expect ~10x slower "
+            "steps than fp32; pass --no-bf16 (or --fp32) to train in fp32")
+
+
+def local_ranks() -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE, else 1."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return max(1, int(os.environ[key]))
+    return 1
+
+
+def set_threads() -> str:
+    """Torch threads per rank: OMP_NUM_THREADS when set, else the usable cores / local ranks (as torchrun
+    suggests); returns the start-line text."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return f"threads {torch.get_num_threads()}/rank (OMP_NUM_THREADS)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = local_ranks()
+    threads = max(1, cores // ranks)
+    torch.set_num_threads(threads)
+    return f"threads {threads}/rank ({cores} cores / {ranks} local ranks; OMP_NUM_THREADS to set)"

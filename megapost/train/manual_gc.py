@@ -1,0 +1,35 @@
+"""Megatron's ``--manual-gc``: Python's automatic collector off, a full collection at start and every
+``--manual-gc-interval`` iterations (0: never again), so all ranks pause for gc at the same step."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any
+
+from megapost.plugin_api import Plugin, PluginContext
+
+
+class ManualGC(Plugin):
+    name = "manual_gc"
+
+    def __init__(self, ctx: PluginContext) -> None:
+        super().__init__(ctx)
+        self.interval = ctx.args.manual_gc_interval
+        gc.disable()
+        gc.collect()
+
+    def after_iteration(self, iteration: int, trainer: Any) -> None:
+        if self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        gc.enable()
+
+
+def manual_gc_plugins(args: argparse.Namespace, model_config: Any, pstate: Any) -> list[Plugin]:
+    """``[ManualGC]`` under --manual-gc, else nothing."""
+    if not args.manual_gc:
+        return []
+    return [ManualGC(PluginContext(args=args, model_config=model_config, parallel=pstate,
+                                   tensorboard_dir=None))]

@@ -1,0 +1,190 @@
+"""A Megatron user's and a TensorBoard user's first hour: flags mean what Megatron means, a resume
+keeps its data, bf16 fits the CPU, the port check cannot race, the study's charts overlay layers."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from launch_utils import REPO, pretrain, read_scalars, run, scalar_tags, tiny_model_flags
+
+from megapost.config.arguments import parse_args
+from megapost.runtime.cpu import bf16_note, native_bf16
+
+
+def _one_line_error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    text = str(info.value.code)
+    assert "\n" not in text and text.startswith("error: ")
+    return text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--swiglue"], "--swiglue: unknown flag (nearest: --swiglu)"),
+    (["--tensorboard-queu-size", "3"],
+     "--tensorboard-queu-size: unknown flag (nearest: --tensorboard-queue-size)"),
+    (["--lr"], "--lr: expected one argument"),
+    (["--decoupled-lr", "5e-4"], "--decoupled-lr 5e-4: a separate embedding/output lr is not supported"),
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 is not supported"),
+])
+def test_bad_flags_are_one_line_with_the_nearest(argv, expected, capsys) -> None:
+    assert expected in _one_line_error(argv)
+    assert "usage:" not in capsys.readouterr().err  # no usage dump
+
+
+def test_megatron_model_flags_mean_pre_norm_and_every_flag_is_noted() -> None:
+    megatron = parse_args(["--swiglu", "--normalization", "RMSNorm", "--apply-layernorm-1p",
+                           "--attention-backend", "fused", "--cross-entropy-loss-fusion", "--manual-gc",
+                           "--no-create-attention-mask-in-dataloader", "--tensorboard-queue-size", "7",
+                           "--log-validation-ppl-to-tensorboard", "--timing-log-level", "1"])
+    assert megatron.norm_position == "pre"
+    notes = " ".join(megatron.megatron_notes)
+    for flag in ("Pre-Norm, as Megatron", "--apply-layernorm-1p", "--attention-backend fused",
+                 "--cross-entropy-loss-fusion", "--manual-gc", "--no-create-attention-mask-in-dataloader",
+                 "--tensorboard-queue-size 7", "--log-validation-ppl-to-tensorboard", "--timing-log-level 1",
+                 "--normalization RMSNorm"):
+        assert flag in notes, flag
+    assert parse_args(["--swiglu", "--norm-position", "post"]).norm_position == "post"  # typed wins
+    assert parse_args([]).norm_position == "post"  # megapost's own default, named at start-up
+
+
+def test_preset_never_overrides_a_typed_flag() -> None:
+    typed = parse_args(["--preset", "tiny-cpu", "--init-method-std", "0.02"])
+    assert typed.init_variance == "std" and "--init-method-std 0.02 typed" in typed.megatron_notes[0]
+    assert parse_args(["--preset", "tiny-cpu"]).init_variance == "paper"
+    assert parse_args(["--preset", "llama-350m"]).bf16
+    assert not parse_args(["--preset", "llama-350m", "--no-bf16"]).bf16
+    assert not parse_args(["--preset", "paper-180m", "--fp32"]).bf16
+
+
+def test_no_native_bf16_note() -> None:
+    cpu = torch.device("cpu")
+    assert "--no-bf16" in bf16_note(True, cpu, {"avx2", "fma"})
+    assert bf16_note(True, cpu, {"avx2", "avx512_bf16"}) is None and bf16_note(False, cpu, {"avx2"}) is None
+    assert native_bf16({"amx_bf16"}) and not native_bf16({"avx2"})
+
+
+def test_cpu_peak_covers_small_bf16_matmuls() -> None:
+    """The measured bf16 peak is at least what a model-sized (64) bf16 matmul achieves: MFU <= 100 %."""
+    import time
+
+    from megapost.metrics.peak_flops import measure_matmul_tflops
+
+    a = torch.randn(64, 64, dtype=torch.bfloat16)
+    torch.matmul(a, a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.matmul(a, a)
+        best = max(best, 2 * 64**3 / (time.perf_counter() - t) / 1e12)
+    assert measure_matmul_tflops(torch.bfloat16, torch.device("cpu")) >= 0.5 * best
+
+
+def _data_flags(prefix: str, tokenizer: str) -> list[str]:
+    return ["--data-path", prefix, "--tokenizer-model", tokenizer]
+
+
+@pytest.mark.slow
+def test_resume_keeps_data_refuses_other_data_and_keeps_history(tiny_data, tmp_path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    for ext in (".bin", ".idx", ".tokenizer.json"):
+        src = Path(tiny_data.prefix + ext)
+        if src.exists():
+            (other / ("copy" + ext)).write_bytes(src.read_bytes())
+    base = tiny_model_flags(tiny_data, **{"--runs-dir": tmp_path, "--run-name": "r", "--train-iters": 2})
+    pretrain(base)
+    no_data = [a for a in base if a not in (tiny_data.prefix, "--data-path")] + ["--train-iters", "3",
+                                                                                 "--lr", "1e-3"]
+    resumed = pretrain(no_data)  # no --data-path: the saved one
+    assert "resumed from" in resumed.stdout and "schedule changed" in resumed.stdout
+    # step 3 under the new schedule (lr 1e-3, warmup 2, decay over 3): the peak 1e-3; the old one (3e-3
+    # decayed to 0 at step 2) would give 0
+    assert read_scalars(tmp_path / "r" / "tensorboard", "train/lr")[3] == pytest.approx(1e-3)
+    moved = base + ["--data-path", str(other / "copy"), "--train-iters", "4"]
+    refused = pretrain(moved, check=False)
+    line = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 1 and line.startswith("error: resuming") and "--override-data" in line
+    ok = pretrain(moved + ["--override-data"])
+    assert "--override-data: continuing on new data" in ok.stdout
+    record = json.loads((tmp_path / "r" / "tensorboard" / "args.json").read_text())
+    assert [launch["schedule"]["train_iters"] for launch in record["launches"]] == [2, 3, 4]
+    assert record["launches"][-1]["data"]["data_path"] == [str(other / "copy")]
+
+
+@pytest.mark.slow
+def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) -> None:
+    """examples/megatron_llama3.sh (Megatron's Llama flags): fresh --save X --load X, then a resume."""
+    ck, tb = tmp_path / "ck", tmp_path / "tb"
+    first = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16"],
+                LAUNCHER="torchrun", MASTER_PORT=str(_free_port()))
+    assert "norm=pre" in first.stdout and "no checkpoint there yet; starting a new run" in first.stdout
+    for flag in ("--apply-layernorm-1p", "--manual-gc", "--attention-backend fused", "--grad-reduce-in-bf16",
+                 "--tensorboard-queue-size 5", "--timing-log-level 0", "--sequence-parallel"):
+        assert flag in first.stdout, flag
+    second = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16",
+                  "--train-samples", "24", "--lr-decay-samples", "24"],
+                 LAUNCHER="deepspeed", MASTER_PORT=str(_free_port()))
+    assert "resumed from" in second.stdout and "at iteration 4" in second.stdout
+    assert sorted(read_scalars(tb, "train/lm_loss")) == list(range(1, 7))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_port_taken_after_the_check_point_still_one_line(tiny_data, tmp_path) -> None:
+    """A port taken while the example builds its corpus gives the one-line error, not a traceback."""
+    port = _free_port()
+    holder = socket.socket()
+    holder.bind(("", port))
+    holder.listen()
+    try:
+        proc = subprocess.run(["deepspeed", "--master_port", str(port), "--module", "megapost.pretrain",
+                               *tiny_model_flags(tiny_data)], cwd=REPO, capture_output=True, text=True,
+                              timeout=600, env=_env())
+    finally:
+        holder.close()
+    assert proc.returncode != 0
+    assert f"error: port {port} (MASTER_PORT) is already in use" in proc.stdout + proc.stderr
+    assert 'make train LAUNCHER="--master_port' in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr.split("error: port")[0]
+
+
+def _env() -> dict[str, str]:
+    from launch_utils import child_env
+
+    return child_env()
+
+
+@pytest.mark.slow
+def test_layers_are_runs_of_their_own_and_readme_tags_exist(tiny_data, tmp_path) -> None:
+    flags = tiny_model_flags(tiny_data, **{"--tensorboard-dir": tmp_path / "tb", "--train-iters": 4,
+                                           "--plugins": "collapse_metrics", "--collapse-interval": 2})
+    pretrain(flags)
+    tb = tmp_path / "tb"
+    assert sorted(p.name for p in (tb / "layers").iterdir()) == ["L01", "L02"]
+    assert len(read_scalars(tb / "layers" / "L01", "layer/t_sim/attn/y")) == 2
+    loss_runs = sorted(p.name for p in (tb / "loss").iterdir())
+    assert loss_runs == ["freq_agg", "freq_corpus", "freq_running", "freq_seq", "lm_loss"]
+    ratio = read_scalars(tb, "collapse/grad_ratio")
+    log_ratio = read_scalars(tb, "collapse/log10_grad_ratio")
+    assert all(log_ratio[s] == pytest.approx(math.log10(v), abs=1e-5) for s, v in ratio.items())
+    tags = scalar_tags(tb)
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    conditional = {"collapse/alerts", "collapse/state", "collapse/t_sim_heatmap",  # text / image
+                   "collapse/early_warning"}  # only with the early-warning flag
+    named = set(re.findall(r"`(collapse/[a-z0-9_/]+)`", readme)) - conditional
+    missing = {t for t in named if t not in tags and not any(x.startswith(t) for x in tags)}
+    assert not missing, missing
