@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="DeepSpeed-backed Llama training framework for studying Post-Norm collapse",
     python_requires=">=3.10",
-    packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics"],
+    packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics",
+                                                                 "collapse_metrics.analysis"],
     package_dir={"collapse_metrics": "plugins/collapse_metrics"},
     install_requires=[
         "torch>=2.4",

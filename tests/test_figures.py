@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run, summarize
+from collapse_metrics.analysis.figures import load_collapse_jsonl, plot_collapse_run, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"fig3_alpha", "fig4_contraction", "fig5_grad_norms", "fig6_loss_vs_frequency", "tsim_heatmap"}
@@ -95,7 +95,7 @@ def test_summary_of_a_collapsed_run(tmp_path: Path) -> None:
 def test_figure_readability(tmp_path: Path) -> None:
     """Norm placement in every title, Fig 3 on a log scale, the c = 1 line in Fig 4's legend, Fig 2's
     legend says "adds" for a negative removed share."""
-    from collapse_metrics.figures import _titled, alpha_label, fig_alpha, fig_contraction
+    from collapse_metrics.analysis.figures import _titled, alpha_label, fig_alpha, fig_contraction
 
     post = load_collapse_jsonl(synthetic_run(tmp_path / "post.jsonl"))
     assert post.norm_label == "Post-Norm"

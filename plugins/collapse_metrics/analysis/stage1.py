@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from collapse_metrics.similarity import sequence_partials, tsim_from_partials
-from collapse_metrics.theory import (
+from collapse_metrics.analysis.theory import (
     InitVariances,
     amount_of_attention,
     ffn_delta,
@@ -42,6 +41,7 @@ from collapse_metrics.theory import (
     intervention_delta,
     predicted_tsim_curve,
 )
+from collapse_metrics.similarity import sequence_partials, tsim_from_partials
 from megapost.data import GPTDataset, IndexedDataset
 from megapost.model import LlamaModel, ModelConfig, set_listener
 from megapost.model.init import matrix_std

@@ -1,6 +1,6 @@
 """Figures of the study (matplotlib without pyplot; every PNG written atomically).
 
-Stage I (Figs 1, 2) from the JSON of collapse_metrics.stage1; training-run figures (Figs 3-6 and a
+Stage I (Figs 1, 2) from the JSON of collapse_metrics.analysis.stage1; training-run figures (Figs 3-6 and a
 t_sim heatmap) from a run's ``collapse_metrics.jsonl`` (see ``load_collapse_jsonl``).
 """
 
