@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..early_warning import DEFAULT_FACTOR, first_warning
 from ..state import CollapseState, StateConfig, grad_ratio
-from .figures import load_collapse_jsonl
+from .runs import load_collapse_jsonl
 
 COLLAPSED_TSIM, COLLAPSED_LOSS_GAP, TRAINED_GAP, DELAYED_GAP, SUSTAINED = 0.9, -0.15, -0.3, -0.5, 0.9
 
