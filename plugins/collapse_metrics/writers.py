@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from megapost.utils.atomic import atomic_write_text
+from megapost.plugin_api import atomic_write_text
 
 from .table import SUBLAYERS
 

@@ -20,7 +20,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from megapost.utils.atomic import atomic_path
+from megapost.plugin_api import atomic_path
 
 from .runs import CollapseRun, load_collapse_jsonl, placement_label, sub_table
 

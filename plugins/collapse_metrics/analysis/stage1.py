@@ -42,10 +42,15 @@ from collapse_metrics.analysis.theory import (
     predicted_tsim_curve,
 )
 from collapse_metrics.similarity import sequence_partials, tsim_from_partials
-from megapost.data import GPTDataset, IndexedDataset
-from megapost.model import LlamaModel, ModelConfig, set_listener
-from megapost.model.init import matrix_std
-from megapost.utils.atomic import atomic_path
+from megapost.plugin_api import (
+    GPTDataset,
+    IndexedDataset,
+    LlamaModel,
+    ModelConfig,
+    atomic_path,
+    matrix_std,
+    set_listener,
+)
 
 SUBLAYERS = ("attn", "ffn")
 FIELDS = ("t_x", "t_y", "t_out", "x_fro_sq", "y_fro_sq")
