@@ -32,7 +32,7 @@ from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
-    "ParallelState", "Plugin", "PluginContext", "PluginHost", "all_gather", "all_reduce", "atomic_path",
+    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "atomic_path",
     "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
     "split_document_ranges",
 ]
@@ -40,7 +40,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "megapost.plugins"
 
 
-class PluginHost(Protocol):
+class PluginServices(Protocol):
     """What the trainer lends a bound ``PluginContext`` (megapost.train.plugin_binding)."""
 
     def module(self) -> nn.Module: ...
@@ -65,15 +65,15 @@ class PluginContext:
     parallel: ParallelState
     tensorboard_dir: str | None
     writer: Any = None  # torch.utils.tensorboard.SummaryWriter on the logging rank, else None
-    host: PluginHost | None = field(default=None, repr=False)
+    services: PluginServices | None = field(default=None, repr=False)
 
-    def bind(self, host: PluginHost) -> None:
-        self.host = host
+    def bind(self, services: PluginServices) -> None:
+        self.services = services
 
-    def _bound(self, what: str) -> PluginHost:
-        if self.host is None:
+    def _bound(self, what: str) -> PluginServices:
+        if self.services is None:
             raise RuntimeError(f"PluginContext.{what}: no trainer bound yet (it is from the first step on)")
-        return self.host
+        return self.services
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by name (a pipeline stage's under PP; TP shards where split)."""
@@ -87,7 +87,7 @@ class PluginContext:
 
     def loss_scale(self) -> float:
         """The fp16 loss scale the gradients carry before the step (1 otherwise, and when unbound)."""
-        return 1.0 if self.host is None else self.host.loss_scale()
+        return 1.0 if self.services is None else self.services.loss_scale()
 
     def scale_lr(self, lr: float = 1.0, warmup: float = 1.0) -> None:
         """Request peak and minimum lr times ``lr`` and warmup times ``warmup``, relative to the configured

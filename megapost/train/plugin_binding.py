@@ -13,7 +13,7 @@ from megapost.plugin_api import Plugin
 
 
 class PluginBinding:
-    """A ``megapost.plugin_api.PluginHost`` over a DeepSpeed engine; ``snapshot`` / ``restore`` are the
+    """A ``megapost.plugin_api.PluginServices`` over a DeepSpeed engine; ``snapshot`` / ``restore`` are the
     trainer's (None: not available, e.g. a benchmark or test driving the engine alone)."""
 
     def __init__(self, engine: Any, snapshot: Callable[[], dict[str, Any]] | None = None,
