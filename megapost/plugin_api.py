@@ -1,33 +1,107 @@
-"""The trainer's plugin interface and discovery through the ``megapost.plugins`` entry-point group.
+"""The plugin interface: everything a plugin may import from megapost, and discovery through the
+``megapost.plugins`` entry-point group.
 
-The trainer never imports a plugin; it calls these methods at fixed points. On steps for which
-``wants_step`` is False nothing else is called, so a plugin costs nothing there.
+The trainer never imports a plugin; it calls ``Plugin``'s methods at fixed points. On steps for which
+``wants_step`` is False nothing else is called, so a plugin costs nothing there. A plugin sees the run
+through its ``PluginContext`` (flags, model config, parallel layout, writers; once the trainer is built,
+this rank's parameters and the gradient part it owns, an lr-scale request, in-memory snapshot/restore),
+never the Trainer or the DeepSpeed engine. The names re-exported below are the rest of megapost a plugin
+may use (import-linter holds ``collapse_metrics`` to this module).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
-from megapost.model.config import ModelConfig
+from megapost.config.errors import ConfigError
+from megapost.data.gpt_dataset import GPTDataset, split_document_ranges
+from megapost.data.indexed_dataset import IndexedDataset
+from megapost.engine import accessors
+from megapost.model import LlamaModel, ModelConfig, set_listener
+from megapost.model.init import matrix_std
+from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
+from megapost.utils.atomic import atomic_path, atomic_write_text
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
+    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "atomic_path",
+    "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
+    "split_document_ranges",
+]
 
 ENTRY_POINT_GROUP = "megapost.plugins"
 
 
+class PluginServices(Protocol):
+    """What the trainer lends a bound ``PluginContext`` (megapost.train.plugin_binding)."""
+
+    def module(self) -> nn.Module: ...
+
+    def loss_scale(self) -> float: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def restore(self, snap: dict[str, Any], skip_data: bool) -> None: ...
+
+    def request_lr_scale(self, lr: float, warmup: float) -> None: ...
+
+
 @dataclass
 class PluginContext:
-    """What a plugin may use: the run's arguments, model config, parallel layout and log sinks."""
+    """What a plugin may use: the run's arguments, model config, parallel layout and log sinks; from the
+    trainer (``bind``, before the first step) this rank's parameters and gradients, lr scaling and
+    in-memory rollback."""
 
     args: argparse.Namespace
     model_config: ModelConfig
     parallel: ParallelState
     tensorboard_dir: str | None
     writer: Any = None  # torch.utils.tensorboard.SummaryWriter on the logging rank, else None
+    services: PluginServices | None = field(default=None, repr=False)
+
+    def bind(self, services: PluginServices) -> None:
+        self.services = services
+
+    def _bound(self, what: str) -> PluginServices:
+        if self.services is None:
+            raise RuntimeError(f"PluginContext.{what}: no trainer bound yet (it is from the first step on)")
+        return self.services
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by name (a pipeline stage's under PP; TP shards where split)."""
+        return self._bound("named_parameters").module().named_parameters()
+
+    def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """In ``before_optimizer_step``: the part of ``param``'s data-parallel-reduced gradient this rank
+        owns (ZeRO partitions, TP shards; None when it owns none), so that sums of squares over all ranks
+        are exact under any layout. Still multiplied by ``loss_scale()``."""
+        return accessors.owned_grad(param, self.parallel.tp_rank, self.parallel.dp_rank)
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the gradients carry before the step (1 otherwise, and when unbound)."""
+        return 1.0 if self.services is None else self.services.loss_scale()
+
+    def scale_lr(self, lr: float = 1.0, warmup: float = 1.0) -> None:
+        """Request peak and minimum lr times ``lr`` and warmup times ``warmup``, relative to the configured
+        schedule; the trainer applies the last request after ``after_iteration``, before the next step."""
+        self._bound("scale_lr").request_lr_scale(lr, warmup)
+
+    def snapshot(self) -> dict[str, Any]:
+        """In ``after_iteration``: this rank's state to continue exactly from here, in host memory (module,
+        optimizer, lr schedule, RNG, data position; exact for ZeRO-0 fp32 without PP)."""
+        return self._bound("snapshot").snapshot()
+
+    def restore(self, snap: dict[str, Any], skip_data: bool = False) -> None:
+        """Return to ``snap``; ``skip_data`` keeps the data position (the window since is not retrained)."""
+        self._bound("restore").restore(snap, skip_data)
 
 
 class Plugin:
@@ -55,15 +129,16 @@ class Plugin:
     def on_micro_batch(self, step: int, batch: dict[str, Any]) -> None:
         """Every micro-batch this rank loads on a wanted step (tokens, labels, loss_mask)."""
 
-    def before_optimizer_step(self, step: int, engine: Any) -> None:
-        """Gradients are reduced across data-parallel ranks, the optimizer has not stepped yet."""
+    def before_optimizer_step(self, step: int) -> None:
+        """Gradients are reduced across data-parallel ranks, the optimizer has not stepped yet (read them
+        with ``self.ctx.owned_grad``)."""
 
     def on_step_end(self, step: int, loss: float) -> None:
         """A wanted step finished (detach listeners, reduce across shards, write logs)."""
 
-    def after_iteration(self, iteration: int, trainer: Any) -> None:
-        """Every optimizer step, after logging/eval/save; ``trainer.snapshot()`` / ``trainer.restore(s)``
-        (megapost.train.trainer.Trainer) return to an earlier state in memory."""
+    def after_iteration(self, iteration: int) -> None:
+        """Every optimizer step, after logging/eval/save; ``self.ctx.snapshot()`` / ``self.ctx.restore(s)``
+        return to an earlier state in memory, ``self.ctx.scale_lr`` rescales the schedule."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -74,7 +74,7 @@ def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, b
         if on_grads is not None:
             on_grads()
         if wanted:
-            plugin.before_optimizer_step(step, model)
+            plugin.before_optimizer_step(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     mean = sum(losses) / len(losses)

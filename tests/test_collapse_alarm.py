@@ -12,8 +12,8 @@ import pytest
 import torch
 from collapse_helpers import make_plugin, plugin_args, random_batches, run_step, small_config
 from collapse_metrics import corpus
+from collapse_metrics.analysis.outcome import read_run, summarize
 from collapse_metrics.frequency import aggregated_frequency_loss, label_counts
-from collapse_metrics.outcome import read_run, summarize
 from collapse_metrics.plugin import image_interval
 from collapse_metrics.state import CollapseState, StateConfig, grad_ratio, is_collapsed
 from collapse_metrics.writers import custom_scalars_layout

@@ -8,9 +8,9 @@ import json
 import math
 
 import pytest
+from collapse_metrics.analysis.outcome import read_run, summarize
 from collapse_metrics.early_warning import EarlyWarning, first_warning
 from collapse_metrics.guard import Remedy
-from collapse_metrics.outcome import read_run, summarize
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
 from megapost.config.errors import ConfigError

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from collapse_helpers import make_plugin, random_batches, run_step, small_config
-from collapse_metrics.figures import fig_contraction, load_collapse_jsonl, save
-from collapse_metrics.outcome import read_run
+from collapse_metrics.analysis.figures import fig_contraction, save
+from collapse_metrics.analysis.outcome import read_run
+from collapse_metrics.analysis.runs import load_collapse_jsonl
 from collapse_metrics.table import SUB
 from collapse_metrics.transition import TransitionConfig, TransitionDetector
 from collapse_metrics.writers import JSONL_NAME

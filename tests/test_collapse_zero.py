@@ -15,6 +15,7 @@ from dist_utils import run_ranks
 
 from megapost.engine import hooks as engine_hooks
 from megapost.model import lm_loss
+from megapost.train.plugin_binding import bind_plugins
 
 CONFIGS = [(0, False), (1, False), (2, False), (1, True), (2, True)]  # (ZeRO stage, bf16)
 
@@ -54,8 +55,10 @@ def train_configs() -> list[tuple[dict, dict]]:
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         reference = {}
 
-        def before_step(engine=engine, plugin=plugin, reference=reference, model=model) -> None:
-            plugin.before_optimizer_step(1, engine)
+        bind_plugins([plugin], engine)  # the plugin reads gradients through its PluginContext
+
+        def before_step(plugin=plugin, reference=reference, model=model) -> None:
+            plugin.before_optimizer_step(1)
             reference.update(full_grad_norms(model))
 
         engine_hooks.install(engine, before_step)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run, summarize
+from collapse_metrics.analysis.figures import plot_collapse_run
+from collapse_metrics.analysis.runs import load_collapse_jsonl, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"fig3_alpha", "fig4_contraction", "fig5_grad_norms", "fig6_loss_vs_frequency", "tsim_heatmap"}
@@ -95,7 +97,7 @@ def test_summary_of_a_collapsed_run(tmp_path: Path) -> None:
 def test_figure_readability(tmp_path: Path) -> None:
     """Norm placement in every title, Fig 3 on a log scale, the c = 1 line in Fig 4's legend, Fig 2's
     legend says "adds" for a negative removed share."""
-    from collapse_metrics.figures import _titled, alpha_label, fig_alpha, fig_contraction
+    from collapse_metrics.analysis.figures import _titled, alpha_label, fig_alpha, fig_contraction
 
     post = load_collapse_jsonl(synthetic_run(tmp_path / "post.jsonl"))
     assert post.norm_label == "Post-Norm"
@@ -112,3 +114,26 @@ def test_figure_readability(tmp_path: Path) -> None:
     assert alpha_label(0.5, -0.076) == "α=0.5 (adds 7.6%)"
     assert alpha_label(0.5, 0.2) == "α=0.5 (removes 20.0%)"
     assert alpha_label(1, None) == "α=1"
+
+
+JUDGE_WITHOUT_MATPLOTLIB = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import stability_sweep  # the sweep tool's judge, imported as the tool runs it
+from collapse_metrics.analysis.outcome import read_run, summarize as judge
+from collapse_metrics.analysis.runs import load_collapse_jsonl, summarize
+outcome = judge(read_run(sys.argv[1]), 7.3)
+indicators = summarize(load_collapse_jsonl(sys.argv[1]))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "matplotlib")
+assert not loaded, f"reading / judging a run imported {loaded[:3]}"
+print(outcome.outcome, indicators["last_step"])
+"""
+
+
+def test_reading_and_judging_a_run_imports_no_matplotlib(tmp_path: Path) -> None:
+    """The JSONL reader (runs.py) and the outcome judge stay off matplotlib (only figures.py draws)."""
+    from launch_utils import run
+
+    path = synthetic_run(tmp_path / "m.jsonl")
+    proc = run([sys.executable, "-c", JUDGE_WITHOUT_MATPLOTLIB, str(path), str(ROOT / "tools")])
+    assert proc.stdout.split()[-1] == "100.0"

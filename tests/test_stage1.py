@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from collapse_metrics.stage1 import (
+from collapse_metrics.analysis.stage1 import (
     analyse,
     init_variances,
     measure,
     predicted_increments,
     write_json,
 )
-from collapse_metrics.theory import attention_delta, ffn_delta, ffn_xi, intervention_delta
+from collapse_metrics.analysis.theory import attention_delta, ffn_delta, ffn_xi, intervention_delta
 
 from megapost.model import LlamaModel, ModelConfig
 
@@ -148,8 +148,8 @@ def test_other_placements_are_measured_and_their_theory_is_null(tmp_path: Path) 
     the measured curves alone."""
     from collapse_helpers import explicit_tsim, manual_forward
     from collapse_helpers import small_config as tiny_config
-    from collapse_metrics.figures import plot_init_similarity
-    from collapse_metrics.stage1 import _jsonable, theory_applies
+    from collapse_metrics.analysis.figures import plot_init_similarity
+    from collapse_metrics.analysis.stage1 import _jsonable, theory_applies
 
     from megapost.model.placements import PLACEMENTS
 

@@ -1,10 +1,11 @@
-"""Closed forms of collapse_metrics.theory against Monte Carlo simulations of their own assumptions."""
+"""Closed forms of collapse_metrics.analysis.theory against Monte Carlo simulations of their own
+assumptions."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from collapse_metrics.theory import (
+from collapse_metrics.analysis.theory import (
     InitVariances,
     amount_of_attention,
     attention_a,

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from collapse_metrics.figures import plot_init_similarity, plot_prefix_alpha
-from collapse_metrics.stage1 import load_sequences, run_placement, write_json
+from collapse_metrics.analysis.figures import plot_init_similarity, plot_prefix_alpha
+from collapse_metrics.analysis.stage1 import load_sequences, run_placement, write_json
 
 from megapost.data import SentencePieceTokenizer, prepare_default_data
 from megapost.model import ModelConfig

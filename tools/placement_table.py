@@ -4,8 +4,8 @@
         --sweep delayed=runs/placement_study/delayed --out docs/figures/placement_study
 
 Each ``--sweep NAME=DIR`` is a ``tools/stability_sweep.py --out DIR`` folder; every row of its
-``results.csv`` (judged by ``collapse_metrics/outcome.py``) is one table row: final loss and its gap to
-the train split's frequency loss L (mean of the last 5 measured steps), the best gap on the way,
+``results.csv`` (judged by ``collapse_metrics/analysis/outcome.py``) is one table row: final loss and its
+gap to the train split's frequency loss L (mean of the last 5 measured steps), the best gap on the way,
 t_sim(X^H) (head input), the first/last-layer gradient-norm ratio, the outcome, the replayed alarm step
 and the transition step. Writes ``<out>.md``, ``<out>.csv`` and ``<out>.png`` (one row of panels per
 sweep: loss - L, t_sim(X^H) with the transition marked, gradient ratio with the alarm marked).
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.outcome import StepRow, read_run
+from collapse_metrics.analysis.outcome import StepRow, read_run
 from stability_sweep import Cell
 
 from megapost.utils.atomic import atomic_path, atomic_write_text

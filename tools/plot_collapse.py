@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.figures import load_collapse_jsonl, plot_collapse_run, summarize
+from collapse_metrics.analysis.figures import plot_collapse_run
+from collapse_metrics.analysis.runs import load_collapse_jsonl, summarize
 
 from megapost.utils.atomic import atomic_write_text
 

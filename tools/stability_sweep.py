@@ -12,7 +12,7 @@ Every cell is one ``python -m megapost.pretrain`` subprocess with ``--plugins co
 exists; a rerun skips finished cells (resumable). After each cell the results CSV
 (``<out>/results.csv``) is rewritten atomically; at the end one phase-diagram PNG per depth
 (``<out>/phase_L{depth}.png``: one lr x warmup panel per variant, colour = outcome, marker = transition
-step) and the alarm's precision/recall against the ground truth (``collapse_metrics/outcome.py``) are
+step) and the alarm's precision/recall against the ground truth (``collapse_metrics/analysis/outcome.py``) are
 printed.
 Flags after ``--`` go to every run.
 """
@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from collapse_metrics.analysis.outcome import read_run, summarize
 from collapse_metrics.corpus import train_split_frequency_loss
-from collapse_metrics.outcome import read_run, summarize
 from collapse_metrics.plugin import CollapseMetricsPlugin
 
 from megapost.config.arguments import build_parser as trainer_parser

@@ -196,16 +196,7 @@ def preprocess(
                 bar.update(len(results))
                 seconds = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"{stats.input_bytes / 1e6 / seconds:.1f} MB/s")
-        for k in keys:
-            if stats.documents[k] == 0:
-                raise DataError(
-                    f"empty corpus: no document with text in field {k!r} was found in the inputs "
-                    f"({stats.skipped_lines} bad lines skipped); check --input and --json-keys"
-                )
-        for k, builder in builders.items():
-            sidecar_path(outputs[k]).unlink(missing_ok=True)  # never pair new data with an old record
-            builder.finalize()
-            write_sidecar(outputs[k], tokenizer, stats.documents[k], stats.tokens[k])
+        _finalize(builders, outputs, tokenizer, stats)
     except BaseException:
         for builder in builders.values():
             if not builder.closed:
@@ -219,6 +210,21 @@ def preprocess(
     if log is not None:
         log(stats.summary())
     return stats
+
+
+def _finalize(builders: dict[str, IndexedDatasetBuilder], outputs: dict[str, str],
+              tokenizer: SentencePieceTokenizer, stats: PreprocessStats) -> None:
+    """Refuse an empty corpus, else write every key's ``.bin``/``.idx`` and its tokenizer sidecar."""
+    for k in builders:
+        if stats.documents[k] == 0:
+            raise DataError(
+                f"empty corpus: no document with text in field {k!r} was found in the inputs "
+                f"({stats.skipped_lines} bad lines skipped); check --input and --json-keys"
+            )
+    for k, builder in builders.items():
+        sidecar_path(outputs[k]).unlink(missing_ok=True)  # never pair new data with an old record
+        builder.finalize()
+        write_sidecar(outputs[k], tokenizer, stats.documents[k], stats.tokens[k])
 
 
 def _write_results(

@@ -53,7 +53,15 @@ class WarmupDecaySchedule:
         self.optimizer = optimizer
         self.params = dict(lr=lr, min_lr=min_lr, warmup=warmup, decay_iters=decay_iters, style=style,
                            wsd_decay_iters=wsd_decay_iters, wsd_style=wsd_style)
+        self.configured = dict(lr=lr, min_lr=min_lr, warmup=warmup)
         self.num_steps = 0
+        self._apply()
+
+    def scale(self, lr: float = 1.0, warmup: float = 1.0) -> None:
+        """Peak and minimum lr times ``lr``, warmup length times ``warmup`` (rounded), relative to the
+        configured schedule; the lr of the current step is applied at once."""
+        c = self.configured
+        self.params.update(lr=c["lr"] * lr, min_lr=c["min_lr"] * lr, warmup=round(c["warmup"] * warmup))
         self._apply()
 
     def get_lr(self) -> list[float]:

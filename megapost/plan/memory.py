@@ -225,18 +225,9 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     params = stage_parameters(cfg, lay.tp, lay.pp, stage)
     states = model_state_bytes(params, n, lay.zero_stage, prec.bf16)
     kind = _optimizer_kind(lay.zero_stage, prec.bf16)
-    n_layers = stage_layers(cfg.num_layers, lay.pp)[stage]
     tokens = lay.micro_batch * cfg.seq_length
     t_sp = tokens // lay.tp if lay.sequence_parallel else tokens
-    first = sum(stage_layers(cfg.num_layers, lay.pp)[:stage]) + 1
-    per_layer = [layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
-                                        prec.norm_kernel, n) for n in range(first, first + n_layers)]
-    if lay.checkpoint:
-        k = lay.checkpoint_num_layers
-        kept = -(-n_layers // k) * e * t_sp * cfg.hidden_size
-        recompute = max((sum(per_layer[i:i + k]) for i in range(0, n_layers, k)), default=0)
-    else:
-        kept, recompute = sum(per_layer), 0
+    kept, recompute = _saved_activations(cfg, lay, prec, stage, t_sp)
     m = lay.grad_accum
     in_flight = min(lay.pp - stage, m) if lay.pp > 1 else 1
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
@@ -291,6 +282,22 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     act += recompute
     return RankMemory(stage, params, states["weights"], states["gradients"], states["optimizer"],
                       act, buffers, max(phases.values()), phases)
+
+
+def _saved_activations(cfg: ModelConfig, lay: Layout, prec: Precision, stage: int,
+                       t_sp: int) -> tuple[int, int]:
+    """(activations one micro-batch keeps on ``stage`` for its backward, the largest recompute
+    transient): every layer's saved tensors, or under activation checkpointing one segment input per
+    ``checkpoint_num_layers`` layers and the largest segment recomputed."""
+    e, n_layers = prec.act_bytes, stage_layers(cfg.num_layers, lay.pp)[stage]
+    first = sum(stage_layers(cfg.num_layers, lay.pp)[:stage]) + 1
+    per_layer = [layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
+                                        prec.norm_kernel, n) for n in range(first, first + n_layers)]
+    if not lay.checkpoint:
+        return sum(per_layer), 0
+    k = lay.checkpoint_num_layers
+    kept = -(-n_layers // k) * e * t_sp * cfg.hidden_size
+    return kept, max((sum(per_layer[i:i + k]) for i in range(0, n_layers, k)), default=0)
 
 
 def _largest_tensor(cfg: ModelConfig, tp: int, stage: int, pp: int) -> int:

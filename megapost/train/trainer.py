@@ -26,6 +26,7 @@ from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Plugin
 from megapost.runtime.hang_report import explain, is_collective_error, start_heartbeat
 from megapost.runtime.interrupts import ExitConditions, last_checkpoint, resume_command
+from megapost.train.plugin_binding import bind_plugins
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Trainer:
         self.memory_report: dict[str, Any] = {}
         self.exits = ExitConditions(args)
         self._peak_warned = False
+        self.plugin_binding = bind_plugins(plugins, engine, self.snapshot, self.restore)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,7 @@ class Trainer:
 
     def before_optimizer_step(self) -> None:
         for plugin in getattr(self, "_active", []):
-            plugin.before_optimizer_step(self.state.iteration + 1, self.engine)
+            plugin.before_optimizer_step(self.state.iteration + 1)
 
     # ---- evaluation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -307,8 +309,9 @@ class Trainer:
                 self._validate(history)
             if args.save and args.save_interval and st.iteration % args.save_interval == 0:
                 self.save()
-            for plugin in self.plugins:  # may call snapshot() / restore() below
-                plugin.after_iteration(st.iteration, self)
+            for plugin in self.plugins:  # may call snapshot() / restore() below, and ctx.scale_lr
+                plugin.after_iteration(st.iteration)
+            self.plugin_binding.apply_requests()
             exit_reason = self.exits.check(st.iteration)
             if exit_reason:
                 break
@@ -336,7 +339,7 @@ class Trainer:
         self.monitor.line(f" validation at iteration {self.state.iteration} | lm loss {loss:.4f} | "
                           f"ppl {math.exp(min(loss, 50.0)):.2f}")
 
-    # ---- in-memory rollback, for plugins (Plugin.after_iteration; e.g. collapse_metrics' guard) ---------
+    # ---- in-memory rollback, for plugins (PluginContext.snapshot/restore; e.g. collapse_metrics' guard) -
     def snapshot(self) -> dict[str, Any]:
         """This rank's state to continue exactly from here (ZeRO-0 fp32: module and optimizer state_dict
         copied to host memory), the lr schedule, RNG and data position."""

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megapost.data import IndexedDataset
-from megapost.data.gpt_dataset import split_document_ranges
-from megapost.utils.atomic import atomic_write_text
+from megapost.plugin_api import IndexedDataset, atomic_write_text, split_document_ranges
 
 from .frequency import FrequencyLossResult, streaming_frequency_loss
 

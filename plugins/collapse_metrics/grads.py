@@ -9,19 +9,15 @@ sandwich output norms ``*_out_norm``, the head norms ``attention.{q,k,v}_norm``;
 the layer total. Parameters outside the blocks (embedding, ``embedding.scale`` of DyT, head) belong to
 no layer and are not measured here.
 
-Each rank adds only the part of ||grad||^2 it owns, so one sum over all ranks gives the full value:
-  * tensor parallelism: shards tagged ``tensor_model_parallel`` count on every TP rank, replicated
-    parameters (the RMSNorm gains) only on TP rank 0;
-  * ZeRO 1/2 and DeepSpeed's bf16 optimizer keep the reduced fp32 gradient as flat partitions: a rank
-    counts the fragment of each parameter it owns (the slice ``safe_get_full_grad`` would contribute
-    to its all-reduce), ZeRO-3 its local partition (``safe_get_local_grad``);
-  * a full, data-parallel-reduced ``param.grad`` (no ZeRO partitioning) counts on DP rank 0 only.
-No collective is issued here; the squared norms join the step's single reduction.
+Each rank adds only the part of ||grad||^2 it owns (``PluginContext.owned_grad``: TP shards, ZeRO
+partitions, DP rank 0 for replicated full gradients; megapost.engine.accessors says how), so one sum
+over all ranks gives the full value. No collective is issued here; the squared norms join the step's
+single reduction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -79,54 +75,19 @@ class LayerParameters:
         return self._index[device]
 
     @torch.no_grad()
-    def add_squared_norms(self, table: torch.Tensor, tp_rank: int, dp_rank: int, scale: float = 1.0) -> None:
-        """table[row, group] and table[row, total] += ||owned grad||^2 / scale^2; table[:, count] += 1."""
+    def add_squared_norms(self, table: torch.Tensor, owned_grad: Callable[[nn.Parameter], Any],
+                          scale: float = 1.0) -> None:
+        """table[row, group] and table[row, total] += ||owned_grad(param)||^2 / scale^2 (the part this rank
+        owns, or None); table[:, count] += 1."""
         if not self.params:
             return
         zero = torch.zeros((), dtype=torch.float64, device=table.device)
         norms = []
         for param in self.params:
-            grad = owned_grad(param, tp_rank, dp_rank)
+            grad = owned_grad(param)
             norms.append(zero if grad is None else norm(grad).double().to(table.device))
         sq = torch.stack(norms).square() / (scale * scale)
         rows, total, named, cols = self.index(table.device)
         table.index_put_((rows, total), sq, accumulate=True)
         table.index_put_((rows[named], cols), sq[named], accumulate=True)
         table[:, GCOL["count"]] += 1.0
-
-
-def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
-    """The part of ``param``'s reduced gradient whose squared norm this rank contributes (or None)."""
-    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
-        return None
-    if getattr(param, "_hp_grad", None) is not None:  # DeepSpeed BF16_Optimizer
-        return _hp_fragment(param)
-    if param.grad is not None:
-        return param.grad if dp_rank == 0 else None
-    if hasattr(param, "ds_id"):  # ZeRO-3
-        from deepspeed.utils import safe_get_local_grad
-
-        return safe_get_local_grad(param)
-    if hasattr(param, "_hp_mapping"):  # ZeRO 1/2
-        return _hp_fragment(param)
-    return None
-
-
-def _hp_fragment(param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's slice of the flat-partitioned gradient (as in DeepSpeed's ``get_full_hp_grad``)."""
-    mapping = param._hp_mapping
-    if mapping is None:  # this rank's partition holds no element of param
-        return None
-    grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
-    address = mapping.lp_fragment_address
-    if grad.numel() == param.numel():  # a full accumulation buffer: keep the owned slice
-        grad = grad.narrow(0, address.start, address.numel)
-    return grad
-
-
-def loss_scale(engine: Any) -> float:
-    """The fp16 dynamic loss scale the gradients still carry before the step (1 otherwise)."""
-    fp16 = getattr(engine, "fp16_enabled", None)
-    if callable(fp16) and fp16():
-        return float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
-    return 1.0

@@ -1,7 +1,7 @@
 """``--collapse-guard``: roll back to a recent good state when the alarm (or the early warning) fires.
 
 Every ``--collapse-guard-interval`` M steps, while neither event is on, the trainer's in-memory
-snapshot (``Trainer.snapshot``: module and optimizer state on the host, lr schedule, RNG, data
+snapshot (``PluginContext.snapshot``: module and optimizer state on the host, lr schedule, RNG, data
 position) is kept with this plugin's own state; the last two are kept. On the event the older one is
 restored (>= M steps before the event, before the onset the snapshot after it may already hold), a
 remedy is applied, and training goes on: ``lr*F`` scales --lr and --min-lr by F, ``warmup*F``
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megapost.config.errors import ConfigError
+from megapost.plugin_api import ConfigError, PluginContext
 
 REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip))$")
 
@@ -78,27 +78,24 @@ class Guard:
         self.interval, self.retries = args.collapse_guard_interval, args.collapse_guard_retries
         self.rollbacks = 0
         self.lr_scale = self.warmup_scale = 1.0
-        self.applied: tuple[float, float] | None = None  # the scales last written into the schedule
+        self.requested: tuple[float, float] | None = None  # the scales last asked of the schedule
         self.snapshots: list[dict[str, Any]] = []
 
-    def _apply_schedule(self, engine: Any) -> None:
-        """Write the remedy scales into the lr schedule (megapost.engine.schedule.WarmupDecaySchedule)."""
-        if self.applied == (self.lr_scale, self.warmup_scale):
+    def _request_schedule(self, ctx: PluginContext) -> None:
+        """Ask the trainer to scale the lr schedule by the remedy's scales (applied before the next step)."""
+        if self.requested == (self.lr_scale, self.warmup_scale):
             return
-        a, sched = self.args, engine.lr_scheduler
-        sched.params.update(lr=a.lr * self.lr_scale, min_lr=a.min_lr * self.lr_scale,
-                            warmup=round(a.lr_warmup_iters * self.warmup_scale))
-        sched.load_state_dict(sched.state_dict())  # re-applies the lr at the current step
-        self.applied = (self.lr_scale, self.warmup_scale)
+        ctx.scale_lr(lr=self.lr_scale, warmup=self.warmup_scale)
+        self.requested = (self.lr_scale, self.warmup_scale)
 
-    def after_iteration(self, iteration: int, trainer: Any, event: str | None, healthy: bool,
+    def after_iteration(self, iteration: int, ctx: PluginContext, event: str | None, healthy: bool,
                         plugin_state: Any) -> dict[str, Any] | None:
         """Snapshot (when ``healthy``: neither event on) or roll back on ``event``; returns the rollback's
         record (None otherwise). ``plugin_state`` is the plugin's ``(state_dict, load_state_dict)``."""
-        self._apply_schedule(trainer.engine)
+        self._request_schedule(ctx)
         if event is None:
             if healthy and (not self.snapshots or iteration % self.interval == 0):
-                self.snapshots = [*self.snapshots[-1:], {"trainer": trainer.snapshot(),
+                self.snapshots = [*self.snapshots[-1:], {"trainer": ctx.snapshot(),
                                                          "plugin": copy.deepcopy(plugin_state[0]())}]
             return None
         if self.rollbacks >= self.retries:
@@ -112,17 +109,17 @@ class Guard:
         elif self.remedy.kind == "warmup":
             self.warmup_scale *= self.remedy.factor
         counters = self.state_dict()
-        trainer.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
+        ctx.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
         plugin_state[1](copy.deepcopy(snap["plugin"]))
         self.load_state_dict(counters)
-        self._apply_schedule(trainer.engine)
-        back, params, remedy = snap["trainer"]["iteration"], trainer.engine.lr_scheduler.params, \
-            self.args.collapse_guard_remedy
+        self._request_schedule(ctx)
+        a, back, remedy = self.args, snap["trainer"]["iteration"], self.args.collapse_guard_remedy
+        lr, warmup = a.lr * self.lr_scale, round(a.lr_warmup_iters * self.warmup_scale)  # as the schedule
         return {"event": event, "step": iteration, "to_step": back, "rollback": self.rollbacks,
-                "remedy": remedy, "lr": params["lr"], "warmup": params["warmup"],
+                "remedy": remedy, "lr": lr, "warmup": warmup,
                 "line": (f"[collapse] guard: {event} at step {iteration}; rolled back to step {back} "
                          f"(rollback {self.rollbacks}/{self.retries}), remedy {remedy}: peak lr "
-                         f"{params['lr']:.3g}, warmup {params['warmup']}"
+                         f"{lr:.3g}, warmup {warmup}"
                          + (", data window skipped" if self.remedy.kind == "skip" else ""))}
 
     def state_dict(self) -> dict[str, Any]:

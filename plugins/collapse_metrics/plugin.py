@@ -26,13 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapost.model import set_listener
-from megapost.plugin_api import Plugin, PluginContext
+from megapost.plugin_api import Plugin, PluginContext, set_listener
 
 from .corpus import train_split_frequency_loss
 from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies
 from .frequency import RunningFrequencyLoss
-from .grads import LayerParameters, loss_scale
+from .grads import LayerParameters
 from .guard import Guard, add_guard_arguments, check_guard_args
 from .recorder import Recorder
 from .reduce import reduce_buffer, sum_over_group
@@ -168,12 +167,11 @@ class CollapseMetricsPlugin(Plugin):
         if self.counts_labels:
             self.step_labels.update(batch["labels"], batch.get("loss_mask"))
 
-    def before_optimizer_step(self, step: int, engine: Any) -> None:
-        module = getattr(engine, "module", engine)
+    def before_optimizer_step(self, step: int) -> None:
+        module = self.model  # the module on_step_begin listened to
         if self.params is None or self.params_of is not module:
             self.params, self.params_of = LayerParameters(module, self.buf.row), module
-        ps = self.ctx.parallel
-        self.params.add_squared_norms(self.buf["grad"], ps.tp_rank, ps.dp_rank, loss_scale(engine))
+        self.params.add_squared_norms(self.buf["grad"], self.ctx.owned_grad, self.ctx.loss_scale())
 
     def on_step_end(self, step: int, loss: float) -> None:
         set_listener(self.model, None)
@@ -230,13 +228,13 @@ class CollapseMetricsPlugin(Plugin):
                     print(line, flush=True)
                     self.writers.alert(step, line)
 
-    def after_iteration(self, iteration: int, trainer: Any) -> None:
+    def after_iteration(self, iteration: int) -> None:
         if self.guard is None:
             return
         event = self.guard_event[1] if self.guard_event and self.guard_event[0] == iteration else None
         self.guard_event = None
         healthy = not self.state.collapsed and not (self.warning is not None and self.warning.warned_at)
-        record = self.guard.after_iteration(iteration, trainer, event, healthy,
+        record = self.guard.after_iteration(iteration, self.ctx, event, healthy,
                                             (self.state_dict, self.load_state_dict))
         if record is not None and self.writers is not None:
             print(record["line"], flush=True)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapost.parallel import collectives
+from megapost.plugin_api import all_gather, all_reduce
 
 from .table import StatsBuffer
 
@@ -31,12 +31,12 @@ def sum_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Elementwise sum of ``x`` over ``group`` (x itself when there is no group)."""
     if group is None or not distributed() or dist.get_world_size(group=group) == 1:
         return x
-    return collectives.all_reduce(x, group)
+    return all_reduce(x, group)
 
 
 def reduce_buffer(buf: StatsBuffer, group: Any = None) -> torch.Tensor:
     """The flat buffer combined over ``group`` (default: the world), as a CPU float64 tensor."""
     gathered = buf.flat[None]
     if distributed():
-        gathered = collectives.all_gather(gathered, 0, group)
+        gathered = all_gather(gathered, 0, group)
     return buf.combine(gathered).cpu()

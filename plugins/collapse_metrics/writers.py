@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from megapost.utils.atomic import atomic_write_text
+from megapost.plugin_api import atomic_write_text
 
 from .overlay import Overlay
 from .table import SUBLAYERS

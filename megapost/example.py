@@ -1,4 +1,5 @@
-"""Defaults of the example launch scripts: the embedded corpus and a config that trains in minutes."""
+"""Defaults of the example launch scripts (examples/*.sh): the embedded corpus and a config that trains
+in minutes. Above ``megapost.pretrain`` (it calls its ``main``); nothing in megapost imports it."""
 
 from __future__ import annotations
 

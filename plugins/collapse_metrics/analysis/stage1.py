@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from collapse_metrics.similarity import sequence_partials, tsim_from_partials
-from collapse_metrics.theory import (
+from collapse_metrics.analysis.theory import (
     InitVariances,
     amount_of_attention,
     ffn_delta,
@@ -42,10 +41,16 @@ from collapse_metrics.theory import (
     intervention_delta,
     predicted_tsim_curve,
 )
-from megapost.data import GPTDataset, IndexedDataset
-from megapost.model import LlamaModel, ModelConfig, set_listener
-from megapost.model.init import matrix_std
-from megapost.utils.atomic import atomic_path
+from collapse_metrics.similarity import sequence_partials, tsim_from_partials
+from megapost.plugin_api import (
+    GPTDataset,
+    IndexedDataset,
+    LlamaModel,
+    ModelConfig,
+    atomic_path,
+    matrix_std,
+    set_listener,
+)
 
 SUBLAYERS = ("attn", "ffn")
 FIELDS = ("t_x", "t_y", "t_out", "x_fro_sq", "y_fro_sq")

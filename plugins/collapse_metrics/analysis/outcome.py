@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .early_warning import DEFAULT_FACTOR, first_warning
-from .figures import load_collapse_jsonl
-from .state import CollapseState, StateConfig, grad_ratio
+from ..early_warning import DEFAULT_FACTOR, first_warning
+from ..state import CollapseState, StateConfig, grad_ratio
+from .runs import load_collapse_jsonl
 
 COLLAPSED_TSIM, COLLAPSED_LOSS_GAP, TRAINED_GAP, DELAYED_GAP, SUSTAINED = 0.9, -0.15, -0.3, -0.5, 0.9
 

@@ -1,16 +1,14 @@
 """Figures of the study (matplotlib without pyplot; every PNG written atomically).
 
-Stage I (Figs 1, 2) from the JSON of collapse_metrics.stage1; training-run figures (Figs 3-6 and a
-t_sim heatmap) from a run's ``collapse_metrics.jsonl`` (see ``load_collapse_jsonl``).
+Stage I (Figs 1, 2) from the JSON of collapse_metrics.analysis.stage1; training-run figures (Figs 3-6 and a
+t_sim heatmap) from a run's ``collapse_metrics.jsonl`` (read by ``runs.load_collapse_jsonl``,
+which imports no matplotlib).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +20,12 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from megapost.utils.atomic import atomic_path
+from megapost.plugin_api import atomic_path
+
+from .runs import CollapseRun, load_collapse_jsonl, placement_label, sub_table
 
 CMAP = "viridis"
 SUBLAYER_TITLES = {"attn": "attention", "ffn": "FFN"}
-PLACEMENT_LABELS = {"post": "Post-Norm", "pre": "Pre-Norm", "sandwich": "Sandwich (Peri-LN)",
-                    "deepnorm": "DeepNorm", "mix": "Mix-LN", "hybrid": "HybridNorm",
-                    "pre-scaled": "Pre-Norm + LayerNorm Scaling", "dyt": "DyT"}
-ARGS_JSON = "args.json"  # written by megapost.pretrain beside collapse_metrics.jsonl
-
-
-def placement_label(norm_position: str, qk_norm: bool = False) -> str:
-    """Title text of a placement (``--norm-position``), with " + QK-norm" under ``--qk-norm``."""
-    label = PLACEMENT_LABELS.get(norm_position, norm_position)
-    return f"{label} + QK-norm" if qk_norm else label
 
 
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
@@ -152,133 +142,6 @@ def plot_prefix_alpha(results: dict[str, dict[str, Any]], path: str | os.PathLik
     return save(fig, path)
 
 
-# ------------------------------------------------------------------------------------------- training runs
-LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
-                "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer")
-STEP_FIELDS = ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running", "freq_loss_corpus",
-               "t_sim_embed", "t_sim_head", "transition", "grad_ratio", "collapsed")
-
-
-def _num(v: Any) -> float:
-    if v is None or isinstance(v, str):
-        return math.nan
-    return float(v)
-
-
-@dataclass
-class CollapseRun:
-    """A run's metrics as dense arrays (nan where absent or null).
-
-    ``layer[sub][field]`` is [len(layer_steps), num_layers]; ``step[field]`` is [len(steps)].
-    """
-
-    layer_steps: np.ndarray
-    layers: np.ndarray
-    layer: dict[str, dict[str, np.ndarray]]
-    steps: np.ndarray
-    step: dict[str, np.ndarray]
-    run_args: dict[str, Any] | None = None  # the run's args.json beside the JSONL, when there is one
-
-    @property
-    def norm_label(self) -> str:
-        """The placement from args.json; without one, "Post-Norm" when a normalised sublayer output was
-        recorded (only post-style rules have one), else "Pre-Norm"."""
-        if self.run_args and self.run_args.get("norm_position"):
-            return placement_label(self.run_args["norm_position"], bool(self.run_args.get("qk_norm")))
-        post = any(np.isfinite(t["t_sim_out"]).any() for t in self.layer.values())
-        return "Post-Norm" if post else "Pre-Norm"
-
-    @property
-    def deepest_normalised(self) -> bool:
-        """Whether the deepest layer's FFN normalised its residual sum after the add (t_sim_out recorded):
-        the condition of the early warning (``early_warning.early_warning_applies``)."""
-        table = self.layer.get("ffn")
-        return bool(table is not None and len(self.layers) and np.isfinite(table["t_sim_out"][:, -1]).any())
-
-    def window(self, margin: int) -> tuple[float, float]:
-        """[first - margin, last + margin] around the steps flagged ``transition``; whole run if none."""
-        flagged = self.steps[np.nan_to_num(self.step["transition"]) > 0]
-        every = np.concatenate([self.steps, self.layer_steps])
-        if not len(every):
-            return (0.0, 0.0)
-        if not len(flagged):
-            return (float(every.min()), float(every.max()))
-        return (float(flagged.min() - margin), float(flagged.max() + margin))
-
-    def layer_grad(self) -> np.ndarray:
-        """Per-layer parameter-gradient norm [steps, L]: ``grad_norm_layer`` where recorded, else
-        sqrt(sum over sublayers of grad_norm^2)."""
-        subs = [s for s in self.layer if s in SUBLAYER_TITLES]
-        shape = (len(self.layer_steps), len(self.layers))
-        if not subs:
-            return np.full(shape, np.nan)
-        sq = np.stack([np.square(self.layer[s]["grad_norm"]) for s in subs])
-        from_subs = np.where(np.all(np.isnan(sq), axis=0), np.nan, np.sqrt(np.nansum(sq, axis=0)))
-        whole = np.fmax.reduce(np.stack([self.layer[s]["grad_norm_layer"] for s in subs]), axis=0)
-        return np.where(np.isnan(whole), from_subs, whole)
-
-
-def summarize(run: CollapseRun, last: int = 5) -> dict[str, float | None]:
-    """Collapse indicators averaged over the last ``last`` measured steps: loss, the frequency-loss
-    references, last-layer output t_sim, head-input t_sim and layer-1 / layer-L gradient norm ratio."""
-    def tail(values: np.ndarray) -> float | None:
-        v = values[-last:]
-        v = v[~np.isnan(v)]
-        return float(v.mean()) if len(v) else None
-
-    out = _sub(run, "ffn", "t_sim_out")
-    out = np.where(np.isnan(out), _sub(run, "ffn", "t_sim_y"), out)
-    grads = run.layer_grad()
-    ratio = grads[:, 0] / grads[:, -1] if grads.size else np.full(0, np.nan)
-    res = {f: tail(run.step[f]) for f in ("loss", "freq_loss_agg", "freq_loss_seq", "freq_loss_running",
-                                          "t_sim_head")}
-    res["t_sim_last_layer"] = tail(out[:, -1]) if out.size else None
-    res["grad_ratio_first_last"] = tail(ratio)
-    res["last_step"] = float(run.steps[-1]) if len(run.steps) else None
-    return res
-
-
-def load_collapse_jsonl(path: str | os.PathLike[str]) -> CollapseRun:
-    """Parse ``collapse_metrics.jsonl``: records with ``layer`` go per (step, layer, sublayer), the rest
-    per step. Unknown fields are ignored; nulls and missing fields become nan."""
-    per_layer: dict[tuple[int, int, str], dict[str, Any]] = {}
-    per_step: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            rec = json.loads(line)
-            if rec.get("step") is None:
-                continue
-            if rec.get("layer") is not None:
-                per_layer[(int(rec["step"]), int(rec["layer"]), str(rec.get("sublayer")))] = rec
-            else:
-                per_step.setdefault(int(rec["step"]), {}).update(rec)
-    layer_steps = np.array(sorted({k[0] for k in per_layer}), dtype=np.int64)
-    layers = np.array(sorted({k[1] for k in per_layer}), dtype=np.int64)
-    si = {s: i for i, s in enumerate(layer_steps)}
-    li = {v: i for i, v in enumerate(layers)}
-    layer: dict[str, dict[str, np.ndarray]] = {}
-    for (step, lay, sub), rec in per_layer.items():
-        shape = (len(layer_steps), len(layers))
-        table = layer.setdefault(sub, {f: np.full(shape, np.nan) for f in LAYER_FIELDS})
-        for f in LAYER_FIELDS:
-            table[f][si[step], li[lay]] = _num(rec.get(f))
-    steps = np.array(sorted(per_step), dtype=np.int64)
-    step = {f: np.array([_num(per_step[s].get(f)) for s in steps]) for f in STEP_FIELDS}
-    return CollapseRun(layer_steps, layers, layer, steps, step, _run_args(Path(path).parent / ARGS_JSON))
-
-
-def _run_args(path: Path) -> dict[str, Any] | None:
-    """The run's flags from args.json (None when absent or unreadable: the label is then inferred)."""
-    try:
-        args = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return args if isinstance(args, dict) else None
-
-
 def _per_layer_lines(ax: Axes, x: np.ndarray, values: np.ndarray, layers: np.ndarray, log: bool = False,
                      mask: np.ndarray | None = None) -> bool:
     """One line per layer (colour = layer); returns whether anything was drawn."""
@@ -303,18 +166,13 @@ def _layer_colorbar(fig: Figure, run: CollapseRun, axes: Any) -> None:
         fig.colorbar(_colours(run.layers)[1], ax=axes, label="layer l")
 
 
-def _sub(run: CollapseRun, sub: str, field: str) -> np.ndarray:
-    table = run.layer.get(sub)
-    return table[field] if table else np.full((len(run.layer_steps), len(run.layers)), np.nan)
-
-
 def fig_alpha(run: CollapseRun) -> Figure:
     """Fig 3: alpha_k^l = ||dL/dX_k|| / ||dL/dY_k|| over all steps, attention and FFN."""
     fig = Figure(layout="constrained", figsize=(13, 4.2))
     axes = fig.subplots(1, 2)
     for ax, sub in zip(axes, SUBLAYER_TITLES, strict=True):
         # log scale: one layer's alpha may dwarf the rest by decades (the collapsed toy)
-        _per_layer_lines(ax, run.layer_steps, _sub(run, sub, "alpha"), run.layers, log=True)
+        _per_layer_lines(ax, run.layer_steps, sub_table(run, sub, "alpha"), run.layers, log=True)
         ax.set(title=f"α (gradient contribution), {SUBLAYER_TITLES[sub]}", xlabel="step", ylabel="α_k^l")
         ax.grid(alpha=0.3, which="both")
     _layer_colorbar(fig, run, axes)
@@ -329,7 +187,7 @@ def fig_contraction(run: CollapseRun, window: tuple[float, float]) -> Figure:
     panels = [("attn", "rms_factor_mean", "√d/‖y‖"), ("attn", "c", "c(y, α)"),
               ("ffn", "rms_factor_mean", "√d/‖y‖"), ("ffn", "c", "c(y, α)")]
     for ax, (sub, field, ylabel), letter in zip(axes.flat, panels, "abcd", strict=True):
-        _per_layer_lines(ax, run.layer_steps, _sub(run, sub, field), run.layers, log=True, mask=mask)
+        _per_layer_lines(ax, run.layer_steps, sub_table(run, sub, field), run.layers, log=True, mask=mask)
         if field == "c":
             ax.axhline(1.0, color="red", lw=0.8, ls="--", label="c = 1 (below: the gradient shrinks)")
             ax.legend(fontsize=7, loc="best")
@@ -408,8 +266,8 @@ def fig_tsim_heatmap(run: CollapseRun) -> Figure:
     and the head input's t_sim above."""
     fig = Figure(layout="constrained", figsize=(11, 6.5))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1, 2.2])
-    out = _sub(run, "ffn", "t_sim_out")
-    grid = np.where(np.isnan(out), _sub(run, "ffn", "t_sim_y"), out)
+    out = sub_table(run, "ffn", "t_sim_out")
+    grid = np.where(np.isnan(out), sub_table(run, "ffn", "t_sim_y"), out)
     if grid.size and not np.all(np.isnan(grid)):
         x = run.layer_steps.astype(float)
         edges = np.concatenate([x, [x[-1] + (x[-1] - x[-2] if len(x) > 1 else 1)]])

@@ -1,0 +1,66 @@
+"""Reads of a DeepSpeed engine's private state that megapost's plugins need, in one place: the part of a
+parameter's reduced gradient a rank owns (under ZeRO 1/2/3 and DeepSpeed's bf16 optimizer) and the fp16
+loss scale the gradients still carry, plus the lr-scale request applied to megapost's schedule.
+
+Each rank owns a part of ||grad||^2 so that one sum over all ranks gives the full value:
+  * tensor parallelism: shards tagged ``tensor_model_parallel`` count on every TP rank, replicated
+    parameters (the RMSNorm gains) only on TP rank 0;
+  * ZeRO 1/2 and the bf16 optimizer keep the reduced fp32 gradient as flat partitions: a rank owns the
+    fragment of each parameter in its partition (the slice ``safe_get_full_grad`` would contribute to
+    its all-reduce), ZeRO-3 its local partition (``safe_get_local_grad``);
+  * a full, data-parallel-reduced ``param.grad`` (no ZeRO partitioning) is owned by DP rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s reduced gradient whose squared norm this rank contributes (or None)."""
+    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+        return None
+    if getattr(param, "_hp_grad", None) is not None:  # DeepSpeed BF16_Optimizer
+        return _hp_fragment(param)
+    if param.grad is not None:
+        return param.grad if dp_rank == 0 else None
+    if hasattr(param, "ds_id"):  # ZeRO-3
+        from deepspeed.utils import safe_get_local_grad
+
+        return safe_get_local_grad(param)
+    if hasattr(param, "_hp_mapping"):  # ZeRO 1/2
+        return _hp_fragment(param)
+    return None
+
+
+def _hp_fragment(param: nn.Parameter) -> torch.Tensor | None:
+    """This rank's slice of the flat-partitioned gradient (as in DeepSpeed's ``get_full_hp_grad``)."""
+    mapping = param._hp_mapping
+    if mapping is None:  # this rank's partition holds no element of param
+        return None
+    grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
+    address = mapping.lp_fragment_address
+    if grad.numel() == param.numel():  # a full accumulation buffer: keep the owned slice
+        grad = grad.narrow(0, address.start, address.numel)
+    return grad
+
+
+def loss_scale(engine: Any) -> float:
+    """The fp16 dynamic loss scale the gradients still carry before the step (1 otherwise)."""
+    fp16 = getattr(engine, "fp16_enabled", None)
+    if callable(fp16) and fp16():
+        return float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
+    return 1.0
+
+
+def scale_lr(engine: Any, lr: float, warmup: float) -> None:
+    """Scale the engine's lr schedule (megapost.engine.schedule.WarmupDecaySchedule): peak and minimum
+    lr by ``lr``, warmup length by ``warmup``, relative to the configured values."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if not hasattr(scheduler, "scale"):
+        raise RuntimeError(f"a plugin asked to scale the lr, but the engine's scheduler "
+                           f"({type(scheduler).__name__}) is not megapost's WarmupDecaySchedule")
+    scheduler.scale(lr, warmup)
