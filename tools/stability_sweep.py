@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from collapse_metrics.analysis.probabilities import calibrate, first_above_min, first_growth, first_rise
+from collapse_metrics.analysis.probability_report import probability_figure, write_cells
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.outcome import read_run, summarize
 from collapse_metrics.plugin import CollapseMetricsPlugin
@@ -217,6 +219,46 @@ def warning_scores(results: list[dict[str, object]]) -> dict[str, object]:
                                      and r.get("warning_step") is not None]}
 
 
+def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Candidate early-warning rules replayed on every Post-Norm run's JSONL, scored against the outcome
+    (``analysis/probabilities.calibrate``): residual-norm growth x F (the shipped rule is F = 4), a
+    re-rise of t_sim(X^H) after it fell, and the loss climbing back above its running minimum."""
+    runs = []
+    for r in results:
+        if r["placement"] != "post":
+            continue
+        cell = Cell(str(r["variant"]), int(r["depth"]), float(r["lr"]), int(r["warmup"]), int(r["seed"]))
+        rows = read_run(out / "cells" / cell.name / "tensorboard" / "collapse_metrics.jsonl")
+        runs.append({**r, "resid": [(x.step, x.resid_deep) for x in rows],
+                     "tsim": [(x.step, x.tsim_head) for x in rows], "loss": [(x.step, x.loss) for x in rows]})
+    rules = {f"resid x{f:g}": functools.partial(lambda f, r: first_growth(r["resid"], f), f)
+             for f in (2, 3, 4, 6, 8)}
+    rules |= {f"t_sim(X^H) re-rise to {t:g}":
+              functools.partial(lambda t, r: first_rise(r["tsim"], t, 0.35), t)
+              for t in (0.5, 0.6, 0.7, 0.8)}
+    rules |= {f"loss +{d:g} over its minimum":
+              functools.partial(lambda d, r: first_above_min(r["loss"], d), d)
+              for d in (0.2, 0.3, 0.5)}
+    return calibrate(runs, rules) if runs else []
+
+
+class Progress:
+    """``[sweep] k/N cells (m run here, mean s per run) ETA ...`` after each cell."""
+
+    def __init__(self, total: int, jobs: int) -> None:
+        self.total, self.jobs, self.done, self.ran, self.spent = total, max(1, jobs), 0, 0, 0.0
+
+    def update(self, result: dict[str, object] | None, fresh: bool) -> str:
+        self.done += 1
+        if fresh and result is not None:
+            self.ran, self.spent = self.ran + 1, self.spent + float(result["seconds"])
+        left = self.total - self.done
+        eta = (f"ETA {left * self.spent / self.ran / min(self.jobs, max(left, 1)) / 60:.1f} min"
+               if self.ran else "ETA ?")
+        return (f"[sweep] progress {self.done}/{self.total} cells ({self.ran} run now, "
+                f"{self.spent / max(self.ran, 1):.0f} s each); {eta}")
+
+
 OUTCOME_COLOURS = {"collapsed": "tab:red", "trained": "tab:green", "plateau": "tab:orange"}
 
 
@@ -271,6 +313,23 @@ def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq
     os.replace(tmp, path)
 
 
+def report_probabilities(out: Path, depths: Sequence[int], done: list[dict[str, object]]) -> None:
+    """Per-cell probabilities over the seeds (cells.{csv,md,json}, prob_L*.png) and the early-warning
+    calibration (warning.json), printed."""
+    cells = write_cells(out, done)
+    for depth in depths:
+        rows = [r for r in cells if r["depth"] == depth]
+        if rows:
+            probability_figure(out / f"prob_L{depth}.png", depth, rows)
+    print((out / "cells.md").read_text(encoding="utf-8"), end="", flush=True)
+    scored = warning_calibration(out, done)
+    atomic_write_text(out / "warning.json", json.dumps(scored, indent=1))
+    for s in scored:
+        p, r = s["precision"], s["recall"]
+        print(f"[sweep] warning {s['rule']}: precision {p['k']}/{p['n']} [{p['lo']:.2f}, {p['hi']:.2f}], "
+              f"recall {r['k']}/{r['n']} [{r['lo']:.2f}, {r['hi']:.2f}], lead {s['lead_steps']}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -301,10 +360,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 redo = asdict(summarize(read_run(jsonl), freq))
                 finish(c, {**asdict(c), **redo, "seconds": prev["seconds"]})
     else:
+        progress = Progress(len(cells), args.jobs)
+        before = {c for c in cells if (out / "cells" / c.name / "outcome.json").is_file()}
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             futures = {pool.submit(run_cell, args, c, freq): c for c in cells}
             for fut in as_completed(futures):
                 finish(futures[fut], fut.result())
+                print(progress.update(results.get(futures[fut]), futures[fut] not in before), flush=True)
     done = [results[c] for c in cells if c in results]
     for depth in args.depths:
         rows = [r for r in done if r["depth"] == depth]
@@ -312,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_diagram(out / f"phase_L{depth}.png", depth, rows, freq)
     scores = alarm_scores(done)
     atomic_write_text(out / "alarm.json", json.dumps(scores))
+    report_probabilities(out, args.depths, done)
     print(f"[sweep] {len(done)}/{len(cells)} cells; alarm {scores}", flush=True)
     return 0 if len(done) == len(cells) else 1
 

@@ -5,15 +5,19 @@ snapshot (``Trainer.snapshot``: module and optimizer state on the host, lr sched
 position) is kept with this plugin's own state; the last two are kept. On the event the older one is
 restored (>= M steps before the event, before the onset the snapshot after it may already hold), a
 remedy is applied, and training goes on: ``lr*F`` scales --lr and --min-lr by F, ``warmup*F``
-stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``), ``skip`` keeps the data position (the
-window since the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the
-next event stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
+stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``; a warmup already over stays over),
+``rewarm*F/W`` (alias ``warmup-restart*F/W``) re-warms from the rollback point: the schedule's lr times a
+ramp from F to 1 over the next W steps (``rewarm`` = ``rewarm*0.1/W`` with W = --lr-warmup-iters, or 50
+without warmup), ``skip`` keeps the data position (the window since the snapshot is not trained on
+again). After ``--collapse-guard-retries`` rollbacks the next event stops the run with one line. The
+counters and remedy scales are plugin state (checkpointed).
 Exact for ZeRO-0 in fp32 without pipeline parallelism; other layouts are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import re
 from dataclasses import dataclass
@@ -21,7 +25,9 @@ from typing import Any
 
 from megapost.config.errors import ConfigError
 
-REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip))$")
+REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|"
+                    r"(?:rewarm|warmup-restart)(?:\*([0-9.eE+-]+)(?:/([0-9]+))?)?)$")
+REWARM_FRACTION, REWARM_STEPS_NO_WARMUP = 0.1, 50
 
 
 def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
@@ -30,7 +36,7 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-guard-on", choices=["alarm", "early"], default="alarm",
                    help="the event that triggers a rollback ('early' needs --collapse-early-warning)")
     g.add_argument("--collapse-guard-remedy", default="lr*0.5", metavar="R",
-                   help="lr*F | warmup*F | warmup | skip")
+                   help="lr*F | warmup*F | warmup | rewarm[*F[/W]] (warmup-restart) | skip")
     g.add_argument("--collapse-guard-retries", type=int, default=2, metavar="N",
                    help="rollbacks before the run stops")
     g.add_argument("--collapse-guard-interval", type=int, default=50, metavar="M",
@@ -39,8 +45,9 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
 
 @dataclass
 class Remedy:
-    kind: str  # "lr", "warmup" or "skip"
+    kind: str  # "lr", "warmup", "rewarm" or "skip"
     factor: float = 1.0
+    steps: int = 0  # rewarm: ramp length (0: --lr-warmup-iters, or REWARM_STEPS_NO_WARMUP)
 
     @classmethod
     def parse(cls, text: str) -> Remedy:
@@ -54,7 +61,13 @@ class Remedy:
             return cls("warmup", 2.0)
         if m and m.group(4):
             return cls("skip")
-        raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup or skip")
+        fraction = 0.0
+        with contextlib.suppress(ValueError):
+            fraction = float(m.group(5)) if m and m.group(5) else REWARM_FRACTION
+        if m and 0 < fraction <= 1:
+            return cls("rewarm", fraction, int(m.group(6) or 0))
+        raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup, "
+                          "rewarm[*F[/W]] with 0 < F <= 1, or skip")
 
 
 def check_guard_args(args: argparse.Namespace) -> None:
@@ -78,18 +91,20 @@ class Guard:
         self.interval, self.retries = args.collapse_guard_interval, args.collapse_guard_retries
         self.rollbacks = 0
         self.lr_scale = self.warmup_scale = 1.0
-        self.applied: tuple[float, float] | None = None  # the scales last written into the schedule
+        self.rewarm: tuple[int, int, float] | None = None  # (from step, steps, fraction) of a rewarm
+        self.applied: tuple | None = None  # the scales last written into the schedule
         self.snapshots: list[dict[str, Any]] = []
 
     def _apply_schedule(self, engine: Any) -> None:
         """Write the remedy scales into the lr schedule (megapost.engine.schedule.WarmupDecaySchedule)."""
-        if self.applied == (self.lr_scale, self.warmup_scale):
+        if self.applied == (self.lr_scale, self.warmup_scale, self.rewarm):
             return
         a, sched = self.args, engine.lr_scheduler
         sched.params.update(lr=a.lr * self.lr_scale, min_lr=a.min_lr * self.lr_scale,
                             warmup=round(a.lr_warmup_iters * self.warmup_scale))
+        sched.rewarm = self.rewarm
         sched.load_state_dict(sched.state_dict())  # re-applies the lr at the current step
-        self.applied = (self.lr_scale, self.warmup_scale)
+        self.applied = (self.lr_scale, self.warmup_scale, self.rewarm)
 
     def after_iteration(self, iteration: int, trainer: Any, event: str | None, healthy: bool,
                         plugin_state: Any) -> dict[str, Any] | None:
@@ -115,6 +130,9 @@ class Guard:
         trainer.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
         plugin_state[1](copy.deepcopy(snap["plugin"]))
         self.load_state_dict(counters)
+        if self.remedy.kind == "rewarm":
+            steps = self.remedy.steps or self.args.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
+            self.rewarm = (trainer.engine.lr_scheduler.num_steps, steps, self.remedy.factor)
         self._apply_schedule(trainer.engine)
         back, params, remedy = snap["trainer"]["iteration"], trainer.engine.lr_scheduler.params, \
             self.args.collapse_guard_remedy
@@ -123,11 +141,16 @@ class Guard:
                 "line": (f"[collapse] guard: {event} at step {iteration}; rolled back to step {back} "
                          f"(rollback {self.rollbacks}/{self.retries}), remedy {remedy}: peak lr "
                          f"{params['lr']:.3g}, warmup {params['warmup']}"
-                         + (", data window skipped" if self.remedy.kind == "skip" else ""))}
+                         + (", data window skipped" if self.remedy.kind == "skip" else "")
+                         + (f", lr re-warmed from x{self.rewarm[2]:g} over {self.rewarm[1]} steps"
+                            if self.remedy.kind == "rewarm" else ""))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale}
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale,
+                "rewarm": None if self.rewarm is None else list(self.rewarm)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollbacks = int(state["rollbacks"])
         self.lr_scale, self.warmup_scale = float(state["lr_scale"]), float(state["warmup_scale"])
+        rewarm = state.get("rewarm")
+        self.rewarm = None if rewarm is None else (int(rewarm[0]), int(rewarm[1]), float(rewarm[2]))
