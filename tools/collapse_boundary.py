@@ -6,7 +6,8 @@
 
 For every (width, depth) of the grid, at fixed warmup, steps, sequence length and batch, the peak lr is
 bisected in log-lr between --lr-lo and --lr-hi (both ends first, then --bisect-steps midpoints), each
-probe over --seeds; a probe "collapses" when >= half its seeds end collapsed (outcome.py). Every probe is
+probe over --seeds; a probe "collapses" when >= half its seeds end in the collapsed state (outcome.py's
+collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
 in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (analysis/boundary.py,
 intervals from the brackets), plotted (<out>/boundary.png), extrapolated to the ladder presets (labelled
@@ -54,13 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-hi", type=float, default=1e-1)
     p.add_argument("--bisect-steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=120)
+    p.add_argument("--iters", type=int, default=150)
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--split", default="969,30,1")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--collapse-grad-ratio", type=float, default=1e-2, metavar="R",
+                   help="a run counts as collapsed when it ends collapsed (outcome.py) with a final "
+                   "first/last-layer gradient ratio <= R (the collapsed state; a short healthy run still "
+                   "on the initial unigram plateau has t_sim ~1 and loss ~L too, but live "
+                   "gradients); 0: the outcome alone")
     p.add_argument("--presets", default=",".join(LADDER), help="presets to extrapolate to")
     p.add_argument("--plot-only", action="store_true", help="refit/replot from <out>/brackets.json")
     return p
@@ -70,6 +76,13 @@ def _cell_args(args: argparse.Namespace, width: int) -> argparse.Namespace:
     a = copy.copy(args)
     a.hidden, a.out = width, str(Path(args.out) / f"d{width}")
     return a
+
+
+def collapsed(result: dict, grad_ratio: float) -> bool:
+    """The run ended in the collapsed state (see --collapse-grad-ratio)."""
+    ratio = result.get("final_grad_ratio")
+    live = ratio is None or ratio > grad_ratio
+    return result["outcome"] == "collapsed" and (grad_ratio <= 0 or not live)
 
 
 def probe(args: argparse.Namespace, points: list[Bracket], freq: float) -> None:
@@ -82,7 +95,7 @@ def probe(args: argparse.Namespace, points: list[Bracket], freq: float) -> None:
     for b, lr in jobs:
         outs = [r for (bb, ll, _), r in zip(work, results, strict=True) if bb is b and ll == lr]
         done = [r for r in outs if r is not None]
-        b.record(lr, sum(r["outcome"] == "collapsed" for r in done), len(done))
+        b.record(lr, sum(collapsed(r, args.collapse_grad_ratio) for r in done), len(done))
         print(f"[boundary] d={b.width} L={b.depth} lr {lr:.4g}: {b.probes[-1]['k']}/{len(done)} collapsed "
               f"-> [{b.lo:.4g}, {b.hi:.4g}] {b.status}", flush=True)
     print(f"[boundary] round: {len(work)} runs in {time.monotonic() - start:.0f} s", flush=True)
@@ -171,7 +184,7 @@ def report(args: argparse.Namespace, points: list[Bracket]) -> dict:
     rows = preset_rows(fit, [n for n in args.presets.split(",") if n])
     verify = verify_runs(args, fit, rows)
     data = {"placement": parse_variant(args.variant).placement, "variant": args.variant,
-            "warmup": args.warmup,
+            "warmup": args.warmup, "collapse_grad_ratio": args.collapse_grad_ratio,
             "iters": args.iters, "seq_length": args.seq_length, "batch": args.batch,
             "tokens": args.iters * args.batch * args.seq_length, "seeds": args.seeds,
             "points": [b.as_dict() for b in points], "fit": fit, "presets": rows, "verify": verify}
