@@ -29,6 +29,7 @@ from torch import nn
 from megapost.model import set_listener
 from megapost.plugin_api import Plugin, PluginContext
 
+from .autopsy import Autopsy, add_autopsy_arguments, check_autopsy_args
 from .corpus import train_split_frequency_loss
 from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies
 from .frequency import RunningFrequencyLoss
@@ -105,6 +106,7 @@ class CollapseMetricsPlugin(Plugin):
         g.add_argument("--collapse-early-warning-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
                        help="growth factor of the early warning")
         add_guard_arguments(g)
+        add_autopsy_arguments(g)
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
@@ -130,7 +132,10 @@ class CollapseMetricsPlugin(Plugin):
                   "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
         check_guard_args(args)
         self.guard = Guard(args) if args.collapse_guard else None
+        check_autopsy_args(args, ps.world_size)
+        self.autopsy = Autopsy(args, ctx.tensorboard_dir) if args.collapse_autopsy else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration
+        self.autopsy_event: int | None = None
         self.running = RunningFrequencyLoss(cfg.vocab_size)
         self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
         self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
@@ -149,6 +154,8 @@ class CollapseMetricsPlugin(Plugin):
         self.model = model
 
     def wants_step(self, step: int) -> bool:
+        if self.autopsy is not None and self.autopsy.dense(step):
+            return True
         return self.at_init if step == 0 else step % self.interval == 0
 
     def on_step_begin(self, step: int, model: nn.Module) -> None:
@@ -167,6 +174,8 @@ class CollapseMetricsPlugin(Plugin):
     def on_micro_batch(self, step: int, batch: dict[str, Any]) -> None:
         if self.counts_labels:
             self.step_labels.update(batch["labels"], batch.get("loss_mask"))
+        if self.autopsy is not None:
+            self.autopsy.on_micro_batch(step, batch)
 
     def before_optimizer_step(self, step: int, engine: Any) -> None:
         module = getattr(engine, "module", engine)
@@ -174,6 +183,8 @@ class CollapseMetricsPlugin(Plugin):
             self.params, self.params_of = LayerParameters(module, self.buf.row), module
         ps = self.ctx.parallel
         self.params.add_squared_norms(self.buf["grad"], ps.tp_rank, ps.dp_rank, loss_scale(engine))
+        if self.autopsy is not None:
+            self.autopsy.before_optimizer_step(step, engine)
 
     def on_step_end(self, step: int, loss: float) -> None:
         set_listener(self.model, None)
@@ -211,6 +222,8 @@ class CollapseMetricsPlugin(Plugin):
         if self.guard is not None and (alarm if self.guard.on == "alarm" else warn_line) and \
                 (collapsed if self.guard.on == "alarm" else warned):
             self.guard_event = (step, "COLLAPSED" if self.guard.on == "alarm" else "early warning")
+        if self.autopsy is not None and (alarm if self.autopsy.on == "alarm" else warn_line):
+            self.autopsy_event = step
         has_labels = step_freq.num_tokens > 0
         step_record = {
             "loss": loss,
@@ -231,6 +244,13 @@ class CollapseMetricsPlugin(Plugin):
                     self.writers.alert(step, line)
 
     def after_iteration(self, iteration: int, trainer: Any) -> None:
+        if self.autopsy is not None:
+            line = self.autopsy.after_iteration(iteration, trainer, self.autopsy_event == iteration,
+                                                (self.state_dict, self.load_state_dict))
+            self.autopsy_event = None
+            if line is not None and self.writers is not None:
+                print(line, flush=True)
+                self.writers.alert(iteration, line)
         if self.guard is None:
             return
         event = self.guard_event[1] if self.guard_event and self.guard_event[0] == iteration else None
