@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 import pytest
 import torch
 from collapse_metrics.autopsy import Autopsy
-from launch_utils import pretrain, tiny_model_flags
+from launch_utils import REPO, pretrain, tiny_model_flags
 
 
 class _Tiny(torch.nn.Module):
@@ -107,3 +108,23 @@ def test_autopsy_rewinds_on_the_alarm_and_measures_every_step(tiny_data, tmp_pat
     replayed = [s for s, v in losses.items() if len(v) == 2]
     assert replayed and all(losses[s][0] == losses[s][1] for s in replayed)  # the window replays exactly
     assert all(s in losses for s in range(steps[0], event + 3))  # every step measured in the window
+    sys.path.insert(0, str(REPO / "tools"))
+    import plot_autopsy
+
+    assert plot_autopsy.main(["--run", f"a={tmp_path}", "--out", str(tmp_path / "fig" / "autopsy")]) == 0
+    assert (tmp_path / "fig" / "autopsy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_separation_offsets():
+    from collapse_metrics.analysis.autopsy_report import rank_separations, separation
+
+    a = {s: 1.0 if s < 110 else 3.0 for s in range(100, 130)}  # event at 100
+    b = {s: 1.0 for s in range(200, 230)}  # event at 200
+    assert separation(a, b, 100, 200) == 10
+    flicker = {**a, 120: 1.0}  # back together at +20: separates only from +21
+    assert separation(flicker, b, 100, 200) == 21 and separation(b, b, 200, 200) is None
+    ent = {s: 2.0 - (0.5 if s >= 105 else 0.0) for s in range(100, 130)}
+    ranked = rank_separations({"x": a, "attn_entropy/layer1": ent, "lr": a},
+                              {"x": b, "attn_entropy/layer1": {s: 2.0 for s in range(200, 230)}, "lr": b},
+                              100, 200)
+    assert ranked == [("attn_entropy/layer1", 5), ("x", 10)]  # entropies compared on the log scale

@@ -99,7 +99,8 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     table = run([sys.executable, "tools/placement_table.py", "--sweep", f"tiny={sweep}", "--sweep",
                  f"again={sweep}", "--out", str(out)])
     md = (tmp_path / "table" / "study.md").read_text()
-    assert table.stdout.startswith(md) and md.startswith("| config | variant | outcome | final loss | L | gap |")
+    assert table.stdout.startswith(md)
+    assert md.startswith("| config | variant | outcome | final loss | L | gap |")
     table_rows = list(csv.DictReader(open(tmp_path / "table" / "study.csv")))
     assert [(r["config"], r["variant"]) for r in table_rows] == [
         ("tiny", "post+qk-norm"), ("tiny", "pre"), ("again", "post+qk-norm"), ("again", "pre")]
