@@ -35,7 +35,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from collapse_metrics.analysis.probabilities import calibrate, first_above_min, first_growth, first_rise
+from collapse_metrics.analysis.probabilities import (
+    calibrate,
+    first_above_min,
+    first_crossing,
+    first_growth,
+    first_rise,
+)
 from collapse_metrics.analysis.probability_report import probability_figure, write_cells
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.outcome import read_run, summarize
@@ -222,7 +228,9 @@ def warning_scores(results: list[dict[str, object]]) -> dict[str, object]:
 def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dict[str, object]]:
     """Candidate early-warning rules replayed on every Post-Norm run's JSONL, scored against the outcome
     (``analysis/probabilities.calibrate``): residual-norm growth x F (the shipped rule is F = 4), a
-    re-rise of t_sim(X^H) after it fell, and the loss climbing back above its running minimum."""
+    rise of t_sim(X^H) once the loss has been 0.5 below L, the loss climbing back above its running
+    minimum, and the first/last-layer gradient ratio falling below R
+    (the alarm's test with a looser threshold)."""
     runs = []
     for r in results:
         if r["placement"] != "post":
@@ -230,12 +238,18 @@ def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dic
         cell = Cell(str(r["variant"]), int(r["depth"]), float(r["lr"]), int(r["warmup"]), int(r["seed"]))
         rows = read_run(out / "cells" / cell.name / "tensorboard" / "collapse_metrics.jsonl")
         runs.append({**r, "resid": [(x.step, x.resid_deep) for x in rows],
-                     "tsim": [(x.step, x.tsim_head) for x in rows], "loss": [(x.step, x.loss) for x in rows]})
+                     "tsim": [(x.step, x.tsim_head) for x in rows], "loss": [(x.step, x.loss) for x in rows],
+                     "inv_ratio": [(x.step, 1 / x.ratio if x.ratio else None) for x in rows],
+                     "learned": first_crossing([(x.step, None if x.loss is None else -x.loss) for x in rows],
+                                               0.5 - float(r["freq_loss"])) or 10**9})
     rules = {f"resid x{f:g}": functools.partial(lambda f, r: first_growth(r["resid"], f), f)
              for f in (2, 3, 4, 6, 8)}
-    rules |= {f"t_sim(X^H) re-rise to {t:g}":
-              functools.partial(lambda t, r: first_rise(r["tsim"], t, 0.35), t)
-              for t in (0.5, 0.6, 0.7, 0.8)}
+    rules |= {f"t_sim(X^H) >= {t:g} after learning (loss <= L - 0.5)":
+              functools.partial(lambda t, r: first_crossing(r["tsim"], t, r["learned"]), t)
+              for t in (0.5, 0.7, 0.8, 0.85, 0.9)}
+    rules |= {f"grad ratio <= {g:g}":
+              functools.partial(lambda g, r: first_rise(r["inv_ratio"], 1 / g, 1 / g), g)
+              for g in (0.1, 0.03, 0.01)}
     rules |= {f"loss +{d:g} over its minimum":
               functools.partial(lambda d, r: first_above_min(r["loss"], d), d)
               for d in (0.2, 0.3, 0.5)}
