@@ -127,17 +127,20 @@ def verify_runs(args: argparse.Namespace, fit: dict, rows: list[dict]) -> list[s
     tokens = args.iters * args.batch * args.seq_length
     secs = 6 * n * tokens / (H100_BF16_TFLOPS * 1e12 * PLANNED_MFU)
     variant = parse_variant(args.variant)
+    flags = "".join(f"{f} " for f in variant.flags)
     for factor in (0.5, 1.0, 2.0):
         lr = nxt["lr_star"] * factor
         for s in args.seeds:
             lines.append(
                 f"python -m megapost.pretrain --preset {nxt['preset']} --norm-position {variant.placement} "
-                f"{' '.join(variant.flags)} --lr {lr:.3g} --min-lr {lr / 10:.3g} --lr-warmup-iters "
-                f"{args.warmup} --train-iters {args.iters} --seq-length {args.seq_length} "
+                f"{flags}--lr {lr:.3g} --min-lr {lr / 10:.3g} --lr-warmup-iters {args.warmup} "
+                f"--train-iters {args.iters} --seq-length {args.seq_length} "
                 f"--global-batch-size {args.batch} --micro-batch-size {args.batch} --seed {s} "
                 f"--init-variance paper --plugins collapse_metrics --collapse-interval {args.interval}  "
-                f"# predicted lr* {nxt['lr_star']:.3g} x {factor:g}; ~{secs:.0f} GPU-s on one H100 "
-                f"(6 N D at MFU {PLANNED_MFU}; plus start-up)")
+                f"# predicted lr* {nxt['lr_star']:.3g} x {factor:g}; ~{secs:.2g} GPU-s of compute on one "
+                f"H100 (6 N D at MFU {PLANNED_MFU}; plus start-up)")
+    lines.append(f"# {len(lines)} runs at {nxt['preset']} ({nxt['label']}): ~{len(lines) * secs:.2g} GPU-s "
+                 "of compute in all; start-up (model build, DeepSpeed init) dominates at these lengths")
     return lines
 
 
