@@ -5,7 +5,8 @@
 
 Each ``--run NAME=DIR`` is a run's TensorBoard folder holding ``autopsy.jsonl`` and
 ``collapse_metrics.jsonl``. The x axis is step - reference: the transition step (outcome.py) of a run that
-ends collapsed, else the step the autopsy's event fired (marked in the legend). Panels: loss - L,
+ends collapsed, else the step the autopsy's event fired (marked in the legend; ``--align event``: the event
+for every run). Panels: loss - L,
 t_sim(X^H), the deepest layer's residual norm, update/weight ratio (last layer), Adam sqrt(v_hat) (last
 layer), attention entropy (last layer: mean and lowest head), preconditioned sharpness / Adam's
 edge-of-stability threshold, logit norm. With a collapsed and a non-collapsed run it prints, per quantity,
@@ -30,7 +31,7 @@ PANELS = ("loss_gap", "t_sim_head", "resid_deep", "update_ratio/{last}", "adam_v
           "attn_entropy/{last}", "attn_entropy_min/{last}", "sharpness/eos", "logit_norm")
 
 
-def load(spec: str) -> dict:
+def load(spec: str, align: str = "transition") -> dict:
     name, eq, folder = spec.partition("=")
     d = Path(folder)
     if not eq or not (d / "autopsy.jsonl").is_file():
@@ -49,7 +50,7 @@ def load(spec: str) -> dict:
     auto["loss_gap"] = {r.step: r.loss - freq for r in rows if r.loss is not None}
     auto["t_sim_head"] = {r.step: r.tsim_head for r in rows if r.tsim_head is not None}
     auto["resid_deep"] = {r.step: r.resid_deep for r in rows if r.resid_deep is not None}
-    ref = out.transition_step if out.transition_step is not None else event
+    ref = out.transition_step if out.transition_step is not None and align == "transition" else event
     return {"name": name, "series": auto, "event": event, "ref": ref, "outcome": out, "last": layers[-1]}
 
 
@@ -58,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run", action="append", required=True, metavar="NAME=DIR")
     p.add_argument("--out", required=True, help="path prefix: <out>.png, <out>_separation.md")
     p.add_argument("--ratio", type=float, default=1.5, help="separation: apart by more than this factor")
+    p.add_argument("--align", choices=["transition", "event"], default="transition",
+                   help="x = 0 at the transition (runs that collapse; the event otherwise) or at the event")
     args = p.parse_args(argv)
-    runs = [load(s) for s in args.run]
+    runs = [load(s, args.align) for s in args.run]
     import matplotlib
 
     matplotlib.use("Agg")

@@ -174,9 +174,14 @@ def run_cell(args: argparse.Namespace, cell: Cell, freq_loss: float) -> dict[str
     jsonl.unlink(missing_ok=True)  # an interrupted attempt starts over
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    with open(run_dir / "train.log", "w", encoding="utf-8") as log:
-        rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
-                              *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    for _attempt in range(3):  # a rendezvous port taken between its pick and its bind (parallel cells): retry
+        with open(run_dir / "train.log", "w", encoding="utf-8") as log:
+            rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
+                                  *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env)
+        if rc == 0 or "EADDRINUSE" not in (run_dir / "train.log").read_text(errors="replace"):
+            break
+        jsonl.unlink(missing_ok=True)
     if rc != 0 or not jsonl.is_file():
         print(f"[sweep] {cell.name}: trainer exited with {rc}; see {run_dir / 'train.log'}", flush=True)
         return None
