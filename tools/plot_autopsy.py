@@ -17,6 +17,7 @@ the first offset from the event at which they stay apart (analysis/autopsy_repor
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             xs = sorted(s)
             ax.plot([x - r["ref"] for x in xs], [s[x] for x in xs], lw=1,
                     marker="." if len(xs) < 60 else None, label=f"{r['name']} ({r['outcome'].outcome}; x=0: "
-                    f"{'transition' if r['outcome'].transition_step is not None else 'event'} {r['ref']})")
+                    f"{'event' if r['ref'] == r['event'] else 'transition'} {r['ref']})")
             ax.axvline(r["event"] - r["ref"], lw=0.6, ls=":", color=ax.lines[-1].get_color())
         ax.set_title(panel.format(last="last layer"), fontsize=9)
         if panel in ("update_ratio/{last}", "adam_v_mean/{last}", "logit_norm", "resid_deep"):
@@ -88,9 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     fig.tight_layout()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_name(out.name + ".png")) as tmp:
-        fig.savefig(tmp, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    from PIL import Image
+
+    with atomic_path(out.with_name(out.name + ".png")) as tmp:  # 64 colours: a small PNG for the docs
+        Image.open(buf).convert("RGB").quantize(colors=64).save(tmp, format="PNG", optimize=True)
     coll = [r for r in runs if r["outcome"].outcome == "collapsed"]
     rest = [r for r in runs if r["outcome"].outcome != "collapsed"]
     if coll and rest:
