@@ -248,7 +248,7 @@ def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dic
                      "learned": first_crossing([(x.step, None if x.loss is None else -x.loss) for x in rows],
                                                0.5 - float(r["freq_loss"])) or 10**9})
     rules = {f"resid x{f:g}": functools.partial(lambda f, r: first_growth(r["resid"], f), f)
-             for f in (2, 3, 4, 6, 8)}
+             for f in (2, 4, 8, 16, 32, 48, 64)}
     rules |= {f"t_sim(X^H) >= {t:g} after learning (loss <= L - 0.5)":
               functools.partial(lambda t, r: first_crossing(r["tsim"], t, r["learned"]), t)
               for t in (0.5, 0.7, 0.8, 0.85, 0.9)}
