@@ -8,9 +8,9 @@ remedy is applied, and training goes on: ``lr*F`` scales --lr and --min-lr by F,
 stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``; a warmup already over stays over),
 ``rewarm*F/W`` (alias ``warmup-restart*F/W``) re-warms from the rollback point: the schedule's lr times a
 ramp from F to 1 over the next W steps (``rewarm`` = ``rewarm*0.1/W`` with W = --lr-warmup-iters, or 50
-without warmup), ``skip`` keeps the data position (the window since the snapshot is not trained on
-again). After ``--collapse-guard-retries`` rollbacks the next event stops the run with one line. The
-counters and remedy scales are plugin state (checkpointed).
+without warmup; each further rollback doubles W), ``skip`` keeps the data position (the window since
+the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the next event
+stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
 Exact for ZeRO-0 in fp32 without pipeline parallelism; other layouts are refused.
 """
 
@@ -132,6 +132,7 @@ class Guard:
         self.load_state_dict(counters)
         if self.remedy.kind == "rewarm":
             steps = self.remedy.steps or self.args.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
+            steps *= 2 ** (self.rollbacks - 1)  # the same ramp again would replay the same failure
             self.rewarm = (trainer.engine.lr_scheduler.num_steps, steps, self.remedy.factor)
         self._apply_schedule(trainer.engine)
         back, params, remedy = snap["trainer"]["iteration"], trainer.engine.lr_scheduler.params, \
