@@ -35,13 +35,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from collapse_metrics.analysis.probabilities import (
-    calibrate,
-    first_above_min,
-    first_crossing,
-    first_growth,
-    first_rise,
-)
+from collapse_metrics.analysis.probabilities import calibrate, candidate_rules, first_crossing
 from collapse_metrics.analysis.probability_report import probability_figure, write_cells
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.outcome import read_run, summarize
@@ -247,17 +241,7 @@ def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dic
                      "inv_ratio": [(x.step, 1 / x.ratio if x.ratio else None) for x in rows],
                      "learned": first_crossing([(x.step, None if x.loss is None else -x.loss) for x in rows],
                                                0.5 - float(r["freq_loss"])) or 10**9})
-    rules = {f"resid x{f:g}": functools.partial(lambda f, r: first_growth(r["resid"], f), f)
-             for f in (2, 4, 8, 16, 32, 48, 64)}
-    rules |= {f"t_sim(X^H) >= {t:g} after learning (loss <= L - 0.5)":
-              functools.partial(lambda t, r: first_crossing(r["tsim"], t, r["learned"]), t)
-              for t in (0.5, 0.7, 0.8, 0.85, 0.9)}
-    rules |= {f"grad ratio <= {g:g}":
-              functools.partial(lambda g, r: first_rise(r["inv_ratio"], 1 / g, 1 / g), g)
-              for g in (0.1, 0.03, 0.01)}
-    rules |= {f"loss +{d:g} over its minimum":
-              functools.partial(lambda d, r: first_above_min(r["loss"], d), d)
-              for d in (0.2, 0.3, 0.5)}
+    rules = candidate_rules()
     return calibrate(runs, rules) if runs else []
 
 

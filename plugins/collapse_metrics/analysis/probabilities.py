@@ -12,6 +12,7 @@ runs, recall = hits / collapsed runs (each with its Wilson interval), lead = tra
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -165,3 +166,22 @@ def first_above_min(series: Sequence[tuple[int, float | None]], delta: float, wi
             return s
         low = min(low, m)
     return None
+
+
+def candidate_rules() -> dict[str, Callable[[dict[str, Any]], int | None]]:
+    """The early-warning rules the sweep calibrates, on a run dict with series ``resid`` (deepest layer's
+    residual norm), ``tsim`` (t_sim(X^H)), ``loss``, ``inv_ratio`` (1 / first-last gradient ratio) and
+    ``learned`` (first step with loss <= L - 0.5)."""
+    rules: dict[str, Callable[[dict[str, Any]], int | None]] = {
+        f"resid x{f:g}": functools.partial(lambda f, r: first_growth(r["resid"], f), f)
+        for f in (2, 4, 8, 16, 32, 48, 64)}
+    rules |= {f"t_sim(X^H) >= {t:g} after learning (loss <= L - 0.5)":
+              functools.partial(lambda t, r: first_crossing(r["tsim"], t, r["learned"]), t)
+              for t in (0.5, 0.7, 0.8, 0.85, 0.9)}
+    rules |= {f"grad ratio <= {g:g}":
+              functools.partial(lambda g, r: first_rise(r["inv_ratio"], 1 / g, 1 / g), g)
+              for g in (0.1, 0.03, 0.01)}
+    rules |= {f"loss +{d:g} over its minimum":
+              functools.partial(lambda d, r: first_above_min(r["loss"], d), d)
+              for d in (0.2, 0.3, 0.5)}
+    return rules
