@@ -26,14 +26,15 @@ from megapost.data.indexed_dataset import IndexedDataset
 from megapost.engine import accessors
 from megapost.model import LlamaModel, ModelConfig, set_listener
 from megapost.model.init import matrix_std
+from megapost.model.rope import apply_rope
 from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
-    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "atomic_path",
-    "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
+    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "apply_rope",
+    "atomic_path", "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
     "split_document_ranges",
 ]
 
@@ -51,7 +52,13 @@ class PluginServices(Protocol):
 
     def restore(self, snap: dict[str, Any], skip_data: bool) -> None: ...
 
-    def request_lr_scale(self, lr: float, warmup: float) -> None: ...
+    def request_lr_scale(self, lr: float, warmup: float, rewarm: tuple[int, int, float] | None) -> None: ...
+
+    def lr(self) -> float: ...
+
+    def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]: ...
+
+    def optimizer_hyperparameters(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -89,10 +96,25 @@ class PluginContext:
         """The fp16 loss scale the gradients carry before the step (1 otherwise, and when unbound)."""
         return 1.0 if self.services is None else self.services.loss_scale()
 
-    def scale_lr(self, lr: float = 1.0, warmup: float = 1.0) -> None:
+    def scale_lr(self, lr: float = 1.0, warmup: float = 1.0,
+                 rewarm: tuple[int, int, float] | None = None) -> None:
         """Request peak and minimum lr times ``lr`` and warmup times ``warmup``, relative to the configured
-        schedule; the trainer applies the last request after ``after_iteration``, before the next step."""
-        self._bound("scale_lr").request_lr_scale(lr, warmup)
+        schedule, and optionally a second warmup ``rewarm = (start step, steps, start fraction)``; the
+        trainer applies the last request after ``after_iteration``, before the next step."""
+        self._bound("scale_lr").request_lr_scale(lr, warmup, rewarm)
+
+    def lr(self) -> float:
+        """The learning rate of the step about to run."""
+        return self._bound("lr").lr()
+
+    def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:
+        """The optimizer's per-parameter state (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``) where the
+        optimizer keeps it per module parameter (ZeRO-0 fp32); {} otherwise."""
+        return self._bound("optimizer_state").optimizer_state(param)
+
+    def optimizer_hyperparameters(self) -> dict[str, Any]:
+        """The first param group's hyperparameters (``betas``, ``eps``, ``weight_decay``, ``lr``)."""
+        return self._bound("optimizer_hyperparameters").optimizer_hyperparameters()
 
     def snapshot(self) -> dict[str, Any]:
         """In ``after_iteration``: this rank's state to continue exactly from here, in host memory (module,

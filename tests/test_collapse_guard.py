@@ -65,6 +65,11 @@ def test_early_warning_replay_known_lead(tmp_path):
 
 def test_remedy_parsing():
     assert Remedy.parse("lr*0.5") == Remedy("lr", 0.5) and Remedy.parse("warmup") == Remedy("warmup", 2.0)
+    assert Remedy.parse("rewarm") == Remedy("rewarm", 0.1, 0) and Remedy.parse("rewarm*0.2/30") == \
+        Remedy("rewarm", 0.2, 30) and Remedy.parse("warmup-restart*0.5") == Remedy("rewarm", 0.5, 0)
+    for bad in ("rewarm*0", "rewarm*1.5", "rewarm/3", "rewarm*x/3"):
+        with pytest.raises(ConfigError, match="rewarm"):
+            Remedy.parse(bad)
     assert Remedy.parse("warmup*3") == Remedy("warmup", 3.0) and Remedy.parse("skip").kind == "skip"
     with pytest.raises(ConfigError, match="--collapse-guard-remedy 'lr/2'"):
         Remedy.parse("lr/2")
@@ -125,6 +130,41 @@ def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
     back = guard["to_step"]
     # the first step after the rollback sees the snapshot's parameters (its loss is computed before the
     # update): equal; the next one follows a 10x smaller update: different
+    assert after[back + 1]["loss"] == before[back + 1]["loss"]
+    assert after[back + 2]["loss"] != before[back + 2]["loss"]
+
+
+def test_rewarm_scale_and_schedule():
+    import torch
+
+    from megapost.engine.schedule import WarmupDecaySchedule, rewarm_scale
+
+    assert rewarm_scale(9, (10, 4, 0.2)) == 1.0 and rewarm_scale(10, (10, 4, 0.2)) == pytest.approx(0.2)
+    assert rewarm_scale(12, (10, 4, 0.2)) == pytest.approx(0.2 + 0.8 * 2 / 4)
+    assert rewarm_scale(20, (10, 4, 0.2)) == 1
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = WarmupDecaySchedule(opt, 1.0, 0.0, 0, 100, "linear")
+    sched.rewarm = (5, 10, 0.1)
+    for _ in range(7):
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx((1 - 7 / 100) * (0.1 + 0.9 * 2 / 10))
+
+
+def test_guard_rewarm_ramps_the_lr_from_the_rollback(tiny_data, tmp_path):
+    """rewarm*0.1/4 at constant lr 0.1: the re-run steps train at 0.01, 0.0325, 0.055, 0.0775, then 0.1."""
+    out = tmp_path / "rewarm"
+    proc = _run(tiny_data, out, check=False, **_guard("rewarm*0.1/4"), **{"--log-interval": 1})
+    log = proc.stdout + proc.stderr
+    guard, before, after = _split_at_rollback(_records(out / "collapse_metrics.jsonl"))
+    back = guard["to_step"]
+    assert "lr re-warmed from x0.1 over 4 steps" in log, log[-3000:]
+    lrs = read_scalars(out, "train/lr")
+    rerun = sorted(after)
+    assert len(rerun) >= 3, log[-3000:]
+    for step in rerun:  # the lr each re-run step trained at (TensorBoard keeps the re-run's value)
+        j = step - back - 1
+        assert lrs[step] == pytest.approx(0.1 * (0.1 + 0.9 * min(1.0, j / 4)), rel=1e-6), step
+    assert lrs[back] == pytest.approx(0.1)
     assert after[back + 1]["loss"] == before[back + 1]["loss"]
     assert after[back + 2]["loss"] != before[back + 2]["loss"]
 

@@ -8,7 +8,9 @@ Each ``--sweep NAME=DIR`` is a ``tools/stability_sweep.py --out DIR`` folder; ev
 gap to the train split's frequency loss L (mean of the last 5 measured steps), the best gap on the way,
 t_sim(X^H) (head input), the first/last-layer gradient-norm ratio, the outcome, the replayed alarm step
 and the transition step. Writes ``<out>.md``, ``<out>.csv`` and ``<out>.png`` (one row of panels per
-sweep: loss - L, t_sim(X^H) with the transition marked, gradient ratio with the alarm marked).
+sweep: loss - L, t_sim(X^H) with the transition marked, gradient ratio with the alarm marked), and
+``<out>_probabilities.md``: per cell over its seeds, P(collapsed / delayed / plateau / trained) with Wilson
+95 % intervals, the transition steps and the final gap's spread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from collapse_metrics.analysis.outcome import StepRow, read_run
+from collapse_metrics.analysis.probabilities import aggregate
+from collapse_metrics.analysis.probabilities import markdown as probability_markdown
 from stability_sweep import Cell
 
 from megapost.utils.atomic import atomic_path, atomic_write_text
@@ -51,7 +55,8 @@ def load_sweep(config: str, folder: Path) -> list[dict[str, object]]:
         for r in csv.DictReader(f):
             cell = Cell(r["variant"], int(r["depth"]), float(r["lr"]), int(r["warmup"]), int(r["seed"]))
             gap, freq = _float(r["final_gap"]), _float(r["freq_loss"])
-            rows.append({"config": config, "variant": r["variant"], "outcome": r["outcome"],
+            rows.append({"config": config, "variant": r["variant"], "depth": cell.depth, "lr": cell.lr,
+                         "warmup": cell.warmup, "seed": cell.seed, "outcome": r["outcome"],
                          "final_loss": gap + freq, "freq_loss": freq, "final_gap": gap,
                          "best_gap": _float(r["best_gap"]), "final_tsim": _float(r["final_tsim"]),
                          "final_grad_ratio": _float(r["final_grad_ratio"]),
@@ -160,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     atomic_write_text(out.with_name(out.name + ".csv"), table_csv(rows))
     figure(rows, out.with_name(out.name + ".png"))
     print(markdown(rows), end="")
+    keys = ("config", "variant", "depth", "lr", "warmup")  # over the seeds: analysis/probabilities.py
+    probs = probability_markdown(aggregate(rows, keys), keys)
+    atomic_write_text(out.with_name(out.name + "_probabilities.md"), probs)
+    print(probs, end="")
     return 0
 
 

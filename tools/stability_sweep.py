@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from collapse_metrics.analysis.outcome import read_run, summarize
+from collapse_metrics.analysis.probabilities import calibrate, candidate_rules, first_crossing
+from collapse_metrics.analysis.probability_report import probability_figure, write_cells
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.plugin import CollapseMetricsPlugin
 
@@ -166,9 +168,14 @@ def run_cell(args: argparse.Namespace, cell: Cell, freq_loss: float) -> dict[str
     jsonl.unlink(missing_ok=True)  # an interrupted attempt starts over
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    with open(run_dir / "train.log", "w", encoding="utf-8") as log:
-        rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
-                              *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    for _attempt in range(3):  # a rendezvous port taken between its pick and its bind (parallel cells): retry
+        with open(run_dir / "train.log", "w", encoding="utf-8") as log:
+            rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
+                                  *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env)
+        if rc == 0 or "EADDRINUSE" not in (run_dir / "train.log").read_text(errors="replace"):
+            break
+        jsonl.unlink(missing_ok=True)
     if rc != 0 or not jsonl.is_file():
         print(f"[sweep] {cell.name}: trainer exited with {rc}; see {run_dir / 'train.log'}", flush=True)
         return None
@@ -215,6 +222,44 @@ def warning_scores(results: list[dict[str, object]]) -> dict[str, object]:
             "warned_not_collapsed": [f"{r['variant']}_L{r['depth']}_lr{r['lr']:g}_w{r['warmup']}_"
                                      f"{r['outcome']}" for r in post if r["outcome"] != "collapsed"
                                      and r.get("warning_step") is not None]}
+
+
+def warning_calibration(out: Path, results: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Candidate early-warning rules replayed on every Post-Norm run's JSONL, scored against the outcome
+    (``analysis/probabilities.calibrate``): residual-norm growth x F (the shipped rule is F = 4), a
+    rise of t_sim(X^H) once the loss has been 0.5 below L, the loss climbing back above its running
+    minimum, and the first/last-layer gradient ratio falling below R
+    (the alarm's test with a looser threshold)."""
+    runs = []
+    for r in results:
+        if r["placement"] != "post":
+            continue
+        cell = Cell(str(r["variant"]), int(r["depth"]), float(r["lr"]), int(r["warmup"]), int(r["seed"]))
+        rows = read_run(out / "cells" / cell.name / "tensorboard" / "collapse_metrics.jsonl")
+        runs.append({**r, "resid": [(x.step, x.resid_deep) for x in rows],
+                     "tsim": [(x.step, x.tsim_head) for x in rows], "loss": [(x.step, x.loss) for x in rows],
+                     "inv_ratio": [(x.step, 1 / x.ratio if x.ratio else None) for x in rows],
+                     "learned": first_crossing([(x.step, None if x.loss is None else -x.loss) for x in rows],
+                                               0.5 - float(r["freq_loss"])) or 10**9})
+    rules = candidate_rules()
+    return calibrate(runs, rules) if runs else []
+
+
+class Progress:
+    """``[sweep] k/N cells (m run here, mean s per run) ETA ...`` after each cell."""
+
+    def __init__(self, total: int, jobs: int) -> None:
+        self.total, self.jobs, self.done, self.ran, self.spent = total, max(1, jobs), 0, 0, 0.0
+
+    def update(self, result: dict[str, object] | None, fresh: bool) -> str:
+        self.done += 1
+        if fresh and result is not None:
+            self.ran, self.spent = self.ran + 1, self.spent + float(result["seconds"])
+        left = self.total - self.done
+        eta = (f"ETA {left * self.spent / self.ran / min(self.jobs, max(left, 1)) / 60:.1f} min"
+               if self.ran else "ETA ?")
+        return (f"[sweep] progress {self.done}/{self.total} cells ({self.ran} run now, "
+                f"{self.spent / max(self.ran, 1):.0f} s each); {eta}")
 
 
 OUTCOME_COLOURS = {"collapsed": "tab:red", "trained": "tab:green", "plateau": "tab:orange"}
@@ -271,6 +316,23 @@ def phase_diagram(path: Path, depth: int, results: list[dict[str, object]], freq
     os.replace(tmp, path)
 
 
+def report_probabilities(out: Path, depths: Sequence[int], done: list[dict[str, object]]) -> None:
+    """Per-cell probabilities over the seeds (cells.{csv,md,json}, prob_L*.png) and the early-warning
+    calibration (warning.json), printed."""
+    cells = write_cells(out, done)
+    for depth in depths:
+        rows = [r for r in cells if r["depth"] == depth]
+        if rows:
+            probability_figure(out / f"prob_L{depth}.png", depth, rows)
+    print((out / "cells.md").read_text(encoding="utf-8"), end="", flush=True)
+    scored = warning_calibration(out, done)
+    atomic_write_text(out / "warning.json", json.dumps(scored, indent=1))
+    for s in scored:
+        p, r = s["precision"], s["recall"]
+        print(f"[sweep] warning {s['rule']}: precision {p['k']}/{p['n']} [{p['lo']:.2f}, {p['hi']:.2f}], "
+              f"recall {r['k']}/{r['n']} [{r['lo']:.2f}, {r['hi']:.2f}], lead {s['lead_steps']}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -301,10 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 redo = asdict(summarize(read_run(jsonl), freq))
                 finish(c, {**asdict(c), **redo, "seconds": prev["seconds"]})
     else:
+        progress = Progress(len(cells), args.jobs)
+        before = {c for c in cells if (out / "cells" / c.name / "outcome.json").is_file()}
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             futures = {pool.submit(run_cell, args, c, freq): c for c in cells}
             for fut in as_completed(futures):
                 finish(futures[fut], fut.result())
+                print(progress.update(results.get(futures[fut]), futures[fut] not in before), flush=True)
     done = [results[c] for c in cells if c in results]
     for depth in args.depths:
         rows = [r for r in done if r["depth"] == depth]
@@ -312,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_diagram(out / f"phase_L{depth}.png", depth, rows, freq)
     scores = alarm_scores(done)
     atomic_write_text(out / "alarm.json", json.dumps(scores))
+    report_probabilities(out, args.depths, done)
     print(f"[sweep] {len(done)}/{len(cells)} cells; alarm {scores}", flush=True)
     return 0 if len(done) == len(cells) else 1
 

@@ -56,11 +56,25 @@ def loss_scale(engine: Any) -> float:
     return 1.0
 
 
-def scale_lr(engine: Any, lr: float, warmup: float) -> None:
+def optimizer_state(engine: Any, param: nn.Parameter) -> dict[str, Any]:
+    """The torch optimizer's state of ``param`` when the engine steps a torch optimizer over the module's
+    own parameters (ZeRO-0 fp32); {} under ZeRO / bf16, whose optimizers keep flat fp32 partitions."""
+    state = getattr(getattr(engine, "optimizer", None), "state", None)
+    return dict(state.get(param, {})) if isinstance(state, dict) else {}
+
+
+def optimizer_hyperparameters(engine: Any) -> dict[str, Any]:
+    """The first param group's hyperparameters, without its parameter list."""
+    group = engine.optimizer.param_groups[0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def scale_lr(engine: Any, lr: float, warmup: float, rewarm: tuple[int, int, float] | None = None) -> None:
     """Scale the engine's lr schedule (megapost.engine.schedule.WarmupDecaySchedule): peak and minimum
-    lr by ``lr``, warmup length by ``warmup``, relative to the configured values."""
+    lr by ``lr``, warmup length by ``warmup``, relative to the configured values; ``rewarm`` adds a
+    second warmup (``schedule.rewarm_scale``)."""
     scheduler = getattr(engine, "lr_scheduler", None)
     if not hasattr(scheduler, "scale"):
         raise RuntimeError(f"a plugin asked to scale the lr, but the engine's scheduler "
                            f"({type(scheduler).__name__}) is not megapost's WarmupDecaySchedule")
-    scheduler.scale(lr, warmup)
+    scheduler.scale(lr, warmup, rewarm)

@@ -44,6 +44,15 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, decay_iters: int, st
     return min_lr + coeff * (lr - min_lr)
 
 
+def rewarm_scale(step: int, rewarm: tuple[int, int, float] | None) -> float:
+    """A second warmup on top of the schedule (the collapse guard's ``rewarm`` remedy): from ``start`` the
+    lr is scaled by a ramp from ``fraction`` to 1 over ``steps`` steps; 1 before ``start`` and after."""
+    if rewarm is None or step < rewarm[0]:
+        return 1.0
+    start, steps, fraction = rewarm
+    return fraction + (1.0 - fraction) * min(1.0, (step - start) / max(1, steps))
+
+
 class WarmupDecaySchedule:
     """Sets the lr of every param group; its state is the step count (saved in checkpoints)."""
 
@@ -55,17 +64,21 @@ class WarmupDecaySchedule:
                            wsd_decay_iters=wsd_decay_iters, wsd_style=wsd_style)
         self.configured = dict(lr=lr, min_lr=min_lr, warmup=warmup)
         self.num_steps = 0
+        self.rewarm: tuple[int, int, float] | None = None  # (start step, steps, start fraction): rewarm_scale
         self._apply()
 
-    def scale(self, lr: float = 1.0, warmup: float = 1.0) -> None:
+    def scale(self, lr: float = 1.0, warmup: float = 1.0,
+              rewarm: tuple[int, int, float] | None = None) -> None:
         """Peak and minimum lr times ``lr``, warmup length times ``warmup`` (rounded), relative to the
-        configured schedule; the lr of the current step is applied at once."""
+        configured schedule, and the second warmup ``rewarm`` (None: none); the lr of the current step is
+        applied at once."""
         c = self.configured
+        self.rewarm = rewarm
         self.params.update(lr=c["lr"] * lr, min_lr=c["min_lr"] * lr, warmup=round(c["warmup"] * warmup))
         self._apply()
 
     def get_lr(self) -> list[float]:
-        return [lr_at(self.num_steps, **self.params)]
+        return [lr_at(self.num_steps, **self.params) * rewarm_scale(self.num_steps, self.rewarm)]
 
     def get_last_lr(self) -> list[float]:
         return self.get_lr()

@@ -16,6 +16,7 @@ from megapost.config.arguments import build_parser, parse_with_preset
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
+from megapost.plan.collapse_risk import collapse_risk, load_boundary
 from megapost.plan.counts import parameter_counts
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
+    g.add_argument("--collapse-boundary", metavar="FILE", default=None,
+                   help="boundary JSON of tools/collapse_boundary.py for the collapse-risk line (default: "
+                   "$MEGAPOST_COLLAPSE_BOUNDARY or runs/collapse_boundary/boundary.json)")
     return p
 
 
@@ -106,6 +110,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "candidates": len(cands), "fitting": [_row(c) for c in fitting],
         "not_fitting": [_row(c) for c in cands if not c.fits],
         "recommended": _row(best) if best else None,
+        "collapse_risk": collapse_risk(*load_boundary(args.collapse_boundary), args.norm_position,
+                                       cfg.hidden_size, cfg.num_layers, args.lr, args.lr_warmup_iters),
     }
 
 
@@ -138,6 +144,7 @@ def render(result: dict, top: int) -> str:
                      f"at MFU {c['mfu']:.2f}")
     else:
         lines.append("recommended: none fits; add GPUs, lower --micro-batch/--seq-length, or use more memory")
+    lines.append(result["collapse_risk"]["line"])
     return "\n".join(lines)
 
 

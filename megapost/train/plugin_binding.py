@@ -19,7 +19,7 @@ class PluginBinding:
     def __init__(self, engine: Any, snapshot: Callable[[], dict[str, Any]] | None = None,
                  restore: Callable[[dict[str, Any], bool], None] | None = None) -> None:
         self.engine, self._snapshot, self._restore = engine, snapshot, restore
-        self.lr_request: tuple[float, float] | None = None
+        self.lr_request: tuple[float, float, Any] | None = None
 
     def module(self) -> nn.Module:
         return self.engine.module
@@ -37,8 +37,17 @@ class PluginBinding:
             raise RuntimeError("PluginContext.restore: this engine is driven without a Trainer")
         self._restore(snap, skip_data)
 
-    def request_lr_scale(self, lr: float, warmup: float) -> None:
-        self.lr_request = (lr, warmup)
+    def request_lr_scale(self, lr: float, warmup: float, rewarm: tuple[int, int, float] | None) -> None:
+        self.lr_request = (lr, warmup, rewarm)
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:
+        return accessors.optimizer_state(self.engine, param)
+
+    def optimizer_hyperparameters(self) -> dict[str, Any]:
+        return accessors.optimizer_hyperparameters(self.engine)
 
     def apply_requests(self) -> None:
         """Apply the last lr-scale request (if any) to the engine's schedule."""

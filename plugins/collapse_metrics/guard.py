@@ -5,15 +5,19 @@ snapshot (``PluginContext.snapshot``: module and optimizer state on the host, lr
 position) is kept with this plugin's own state; the last two are kept. On the event the older one is
 restored (>= M steps before the event, before the onset the snapshot after it may already hold), a
 remedy is applied, and training goes on: ``lr*F`` scales --lr and --min-lr by F, ``warmup*F``
-stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``), ``skip`` keeps the data position (the
-window since the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the
-next event stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
+stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``; a warmup already over stays over),
+``rewarm*F/W`` (alias ``warmup-restart*F/W``) re-warms from the rollback point: the schedule's lr times a
+ramp from F to 1 over the next W steps (``rewarm`` = ``rewarm*0.1/W`` with W = --lr-warmup-iters, or 50
+without warmup; each further rollback doubles W), ``skip`` keeps the data position (the window since
+the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the next event
+stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
 Exact for ZeRO-0 in fp32 without pipeline parallelism; other layouts are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import re
 from dataclasses import dataclass
@@ -21,7 +25,9 @@ from typing import Any
 
 from megapost.plugin_api import ConfigError, PluginContext
 
-REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip))$")
+REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|"
+                    r"(?:rewarm|warmup-restart)(?:\*([0-9.eE+-]+)(?:/([0-9]+))?)?)$")
+REWARM_FRACTION, REWARM_STEPS_NO_WARMUP = 0.1, 50
 
 
 def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
@@ -30,7 +36,7 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-guard-on", choices=["alarm", "early"], default="alarm",
                    help="the event that triggers a rollback ('early' needs --collapse-early-warning)")
     g.add_argument("--collapse-guard-remedy", default="lr*0.5", metavar="R",
-                   help="lr*F | warmup*F | warmup | skip")
+                   help="lr*F | warmup*F | warmup | rewarm[*F[/W]] (warmup-restart) | skip")
     g.add_argument("--collapse-guard-retries", type=int, default=2, metavar="N",
                    help="rollbacks before the run stops")
     g.add_argument("--collapse-guard-interval", type=int, default=50, metavar="M",
@@ -39,8 +45,9 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
 
 @dataclass
 class Remedy:
-    kind: str  # "lr", "warmup" or "skip"
+    kind: str  # "lr", "warmup", "rewarm" or "skip"
     factor: float = 1.0
+    steps: int = 0  # rewarm: ramp length (0: --lr-warmup-iters, or REWARM_STEPS_NO_WARMUP)
 
     @classmethod
     def parse(cls, text: str) -> Remedy:
@@ -54,7 +61,13 @@ class Remedy:
             return cls("warmup", 2.0)
         if m and m.group(4):
             return cls("skip")
-        raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup or skip")
+        fraction = 0.0
+        with contextlib.suppress(ValueError):
+            fraction = float(m.group(5)) if m and m.group(5) else REWARM_FRACTION
+        if m and 0 < fraction <= 1:
+            return cls("rewarm", fraction, int(m.group(6) or 0))
+        raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup, "
+                          "rewarm[*F[/W]] with 0 < F <= 1, or skip")
 
 
 def check_guard_args(args: argparse.Namespace) -> None:
@@ -78,15 +91,16 @@ class Guard:
         self.interval, self.retries = args.collapse_guard_interval, args.collapse_guard_retries
         self.rollbacks = 0
         self.lr_scale = self.warmup_scale = 1.0
-        self.requested: tuple[float, float] | None = None  # the scales last asked of the schedule
+        self.rewarm: tuple[int, int, float] | None = None  # (from step, steps, fraction) of a rewarm
+        self.requested: tuple | None = None  # the scales last asked of the schedule
         self.snapshots: list[dict[str, Any]] = []
 
     def _request_schedule(self, ctx: PluginContext) -> None:
         """Ask the trainer to scale the lr schedule by the remedy's scales (applied before the next step)."""
-        if self.requested == (self.lr_scale, self.warmup_scale):
+        if self.requested == (self.lr_scale, self.warmup_scale, self.rewarm):
             return
-        ctx.scale_lr(lr=self.lr_scale, warmup=self.warmup_scale)
-        self.requested = (self.lr_scale, self.warmup_scale)
+        ctx.scale_lr(lr=self.lr_scale, warmup=self.warmup_scale, rewarm=self.rewarm)
+        self.requested = (self.lr_scale, self.warmup_scale, self.rewarm)
 
     def after_iteration(self, iteration: int, ctx: PluginContext, event: str | None, healthy: bool,
                         plugin_state: Any) -> dict[str, Any] | None:
@@ -112,19 +126,29 @@ class Guard:
         ctx.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
         plugin_state[1](copy.deepcopy(snap["plugin"]))
         self.load_state_dict(counters)
+        back = snap["trainer"]["iteration"]
+        if self.remedy.kind == "rewarm":
+            steps = self.remedy.steps or self.args.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
+            steps *= 2 ** (self.rollbacks - 1)  # the same ramp again would replay the same failure
+            self.rewarm = (back, steps, self.remedy.factor)
         self._request_schedule(ctx)
-        a, back, remedy = self.args, snap["trainer"]["iteration"], self.args.collapse_guard_remedy
+        a, remedy = self.args, self.args.collapse_guard_remedy
         lr, warmup = a.lr * self.lr_scale, round(a.lr_warmup_iters * self.warmup_scale)  # as the schedule
         return {"event": event, "step": iteration, "to_step": back, "rollback": self.rollbacks,
                 "remedy": remedy, "lr": lr, "warmup": warmup,
                 "line": (f"[collapse] guard: {event} at step {iteration}; rolled back to step {back} "
                          f"(rollback {self.rollbacks}/{self.retries}), remedy {remedy}: peak lr "
                          f"{lr:.3g}, warmup {warmup}"
-                         + (", data window skipped" if self.remedy.kind == "skip" else ""))}
+                         + (", data window skipped" if self.remedy.kind == "skip" else "")
+                         + (f", lr re-warmed from x{self.rewarm[2]:g} over {self.rewarm[1]} steps"
+                            if self.remedy.kind == "rewarm" else ""))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale}
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale,
+                "rewarm": None if self.rewarm is None else list(self.rewarm)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollbacks = int(state["rollbacks"])
         self.lr_scale, self.warmup_scale = float(state["lr_scale"]), float(state["warmup_scale"])
+        rewarm = state.get("rewarm")
+        self.rewarm = None if rewarm is None else (int(rewarm[0]), int(rewarm[1]), float(rewarm[2]))

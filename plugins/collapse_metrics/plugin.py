@@ -28,6 +28,7 @@ from torch import nn
 
 from megapost.plugin_api import Plugin, PluginContext, set_listener
 
+from .autopsy import Autopsy, add_autopsy_arguments, check_autopsy_args
 from .corpus import train_split_frequency_loss
 from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies
 from .frequency import RunningFrequencyLoss
@@ -104,6 +105,7 @@ class CollapseMetricsPlugin(Plugin):
         g.add_argument("--collapse-early-warning-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
                        help="growth factor of the early warning")
         add_guard_arguments(g)
+        add_autopsy_arguments(g)
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
@@ -129,7 +131,10 @@ class CollapseMetricsPlugin(Plugin):
                   "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
         check_guard_args(args)
         self.guard = Guard(args) if args.collapse_guard else None
+        check_autopsy_args(args, ps.world_size)
+        self.autopsy = Autopsy(args, ctx.tensorboard_dir) if args.collapse_autopsy else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration
+        self.autopsy_event: int | None = None
         self.running = RunningFrequencyLoss(cfg.vocab_size)
         self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
         self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
@@ -148,6 +153,8 @@ class CollapseMetricsPlugin(Plugin):
         self.model = model
 
     def wants_step(self, step: int) -> bool:
+        if self.autopsy is not None and self.autopsy.dense(step):
+            return True
         return self.at_init if step == 0 else step % self.interval == 0
 
     def on_step_begin(self, step: int, model: nn.Module) -> None:
@@ -166,12 +173,16 @@ class CollapseMetricsPlugin(Plugin):
     def on_micro_batch(self, step: int, batch: dict[str, Any]) -> None:
         if self.counts_labels:
             self.step_labels.update(batch["labels"], batch.get("loss_mask"))
+        if self.autopsy is not None:
+            self.autopsy.on_micro_batch(step, batch)
 
     def before_optimizer_step(self, step: int) -> None:
         module = self.model  # the module on_step_begin listened to
         if self.params is None or self.params_of is not module:
             self.params, self.params_of = LayerParameters(module, self.buf.row), module
         self.params.add_squared_norms(self.buf["grad"], self.ctx.owned_grad, self.ctx.loss_scale())
+        if self.autopsy is not None:
+            self.autopsy.before_optimizer_step(step, module)
 
     def on_step_end(self, step: int, loss: float) -> None:
         set_listener(self.model, None)
@@ -209,6 +220,8 @@ class CollapseMetricsPlugin(Plugin):
         if self.guard is not None and (alarm if self.guard.on == "alarm" else warn_line) and \
                 (collapsed if self.guard.on == "alarm" else warned):
             self.guard_event = (step, "COLLAPSED" if self.guard.on == "alarm" else "early warning")
+        if self.autopsy is not None and (alarm if self.autopsy.on == "alarm" else warn_line):
+            self.autopsy_event = step
         has_labels = step_freq.num_tokens > 0
         step_record = {
             "loss": loss,
@@ -229,6 +242,14 @@ class CollapseMetricsPlugin(Plugin):
                     self.writers.alert(step, line)
 
     def after_iteration(self, iteration: int) -> None:
+        if self.autopsy is not None:
+            event = self.autopsy_event == iteration
+            line = self.autopsy.after_iteration(iteration, self.ctx, self.model, event,
+                                                (self.state_dict, self.load_state_dict))
+            self.autopsy_event = None
+            if line is not None and self.writers is not None:
+                print(line, flush=True)
+                self.writers.alert(iteration, line)
         if self.guard is None:
             return
         event = self.guard_event[1] if self.guard_event and self.guard_event[0] == iteration else None

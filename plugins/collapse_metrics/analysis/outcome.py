@@ -102,8 +102,10 @@ def summarize(rows: list[StepRow], freq_loss: float, window: int = 5,
     transition = None
     if outcome == "collapsed":
         high = [r.tsim_head is not None and r.tsim_head >= COLLAPSED_TSIM for r in rows]
-        transition = next(r.step for i, r in enumerate(rows)
-                          if high[i] and sum(high[i:]) >= SUSTAINED * (len(rows) - i))
+        transition = next((r.step for i, r in enumerate(rows)
+                           if high[i] and sum(high[i:]) >= SUSTAINED * (len(rows) - i)),
+                          next((r.step for r, h in zip(rows[-window:], high[-window:], strict=True) if h),
+                               rows[-1].step))  # a final window high on average, its last step below
     before = [t for t, r in zip(trailing, rows, strict=True) if transition is None or r.step < transition]
     delayed = outcome == "collapsed" and bool(before) and min(before) - freq_loss <= DELAYED_GAP
     state, alarm_step, alarm_final = CollapseState(config), None, False

@@ -1,0 +1,99 @@
+"""The collapse boundary lr*(d, L): bisection bookkeeping in log-lr and the power-law fit.
+
+A grid point (width d, depth L) keeps a bracket [lo, hi] with P(collapse | lo) < 1/2 <= P(collapse | hi)
+(estimated over seeds); each bisection step probes the geometric midpoint and keeps the half that still
+brackets 1/2. The estimate is the bracket's geometric centre; its interval is the bracket (the seed
+noise of each decision is reported with the probes, not folded in).
+
+Fit: log lr* = a + b log d + c log L by least squares over the points with a finite bracket. Intervals
+by Monte Carlo over the brackets: each draw puts every point's log lr* uniformly in its bracket and
+refits; the 2.5/97.5 % quantiles of b and c are their intervals, and the stored draws give any
+prediction's interval (``megapost.plan.collapse_risk.predict``, which reads the JSON).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Bracket:
+    width: int
+    depth: int
+    lo: float
+    hi: float
+    probes: list[dict[str, Any]] = field(default_factory=list)  # {"lr", "k", "n"} in probing order
+    status: str = "open"  # open | below (lr* < lo: collapses at lo) | above (lr* > hi: never at hi)
+
+    def record(self, lr: float, k: int, n: int) -> None:
+        """The outcome of probing ``lr`` with n seeds, k collapsed: narrows the bracket."""
+        self.probes.append({"lr": lr, "k": k, "n": n})
+        collapses = 2 * k >= n
+        if self.status != "open":
+            return
+        if math.isclose(lr, self.lo) and collapses:
+            self.status = "below"
+        elif math.isclose(lr, self.hi) and not collapses:
+            self.status = "above"
+        elif not (math.isclose(lr, self.lo) or math.isclose(lr, self.hi)):
+            if collapses:
+                self.hi = lr
+            else:
+                self.lo = lr
+
+    def next_lrs(self) -> list[float]:
+        """The lrs to probe next: both ends first, then the geometric midpoint (none once not bracketed)."""
+        if self.status != "open":
+            return []
+        seen = [p["lr"] for p in self.probes]
+        ends = [e for e in (self.lo, self.hi) if not any(math.isclose(e, s) for s in seen)]
+        return ends or [float(f"{math.sqrt(self.lo * self.hi):.4g}")]
+
+    @property
+    def estimate(self) -> float:
+        return math.sqrt(self.lo * self.hi)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "estimate": self.estimate if self.status == "open" else None}
+
+
+def _design(widths: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    return np.stack([np.ones_like(widths, dtype=float), np.log(widths), np.log(depths)], axis=1)
+
+
+def fit_power_law(points: Sequence[Bracket], draws: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Least squares of log lr* on (1, log d, log L) at the brackets' centres, plus ``draws`` Monte Carlo
+    refits with every log lr* uniform in its bracket. Needs >= 3 bracketed points; a grid with one width
+    (or one depth) fits only the other exponent (the missing one is reported as None)."""
+    pts = [p for p in points if p.status == "open"]
+    if len(pts) < 2:
+        raise ValueError(f"the fit needs >= 2 bracketed grid points, got {len(pts)}")
+    w = np.array([p.width for p in pts], dtype=float)
+    d = np.array([p.depth for p in pts], dtype=float)
+    cols = [0] + [1] * (len(set(w)) > 1) + [2] * (len(set(d)) > 1)
+    x = _design(w, d)[:, cols]
+    lo, hi = np.log([p.lo for p in pts]), np.log([p.hi for p in pts])
+    coef = np.linalg.lstsq(x, (lo + hi) / 2, rcond=None)[0]
+    rng = np.random.default_rng(seed)
+    ys = lo + (hi - lo) * rng.random((draws, len(pts)))
+    samples = np.linalg.lstsq(x, ys.T, rcond=None)[0].T  # (draws, len(cols))
+    full = np.zeros((draws, 3))
+    full[:, cols] = samples
+    point = np.zeros(3)
+    point[cols] = coef
+
+    def interval(i: int) -> list[float] | None:
+        return [float(np.quantile(full[:, i], 0.025)), float(np.quantile(full[:, i], 0.975))] \
+            if i in cols else None
+
+    return {"log_a": float(point[0]), "b_width": float(point[1]) if 1 in cols else None,
+            "c_depth": float(point[2]) if 2 in cols else None, "b_interval": interval(1),
+            "c_interval": interval(2), "points": len(pts), "dof": len(pts) - len(cols),
+            "samples": full[:: max(1, draws // 400)].round(6).tolist(),
+            "range": {"widths": [float(w.min()), float(w.max())], "depths": [float(d.min()), float(d.max())]}}
+
