@@ -135,8 +135,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
                         config.logging.remeasure_peak)
     memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
-    trainer = Trainer(args, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
-                      model_cfg.flops_per_token(), peak.tflops, device, memory=memory)
+    trainer = Trainer(config, args, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
+                      peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
     engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     _start(trainer, config, peak.describe())
@@ -156,6 +156,9 @@ def _start(trainer: Trainer, config: Config, peak: str) -> None:
     monitor.line(f" megapost: {config.model.parameter_summary()}, norm={config.model.norm_position}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {config.data.grad_accum_steps}, peak {peak}")
+    if config.optimizer.optimizer == "sgd":
+        monitor.line(" megapost: --optimizer sgd: the planned memory counts AdamW's two moments (an upper "
+                     "bound)")
     for note in config.logging.megatron_notes:
         monitor.line(f" megapost: accepted {note}")
     tb_dir = config.logging.tensorboard_dir

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from megapost.config.resolved import Config
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput
 from megapost.parallel.state import ParallelState
@@ -35,25 +36,30 @@ class TrainState:
 
 
 class Trainer:
-    """Owns the engine and runs ``args.train_iters`` optimizer steps."""
+    """Owns the engine and runs ``--train-iters`` optimizer steps."""
 
-    def __init__(self, args: argparse.Namespace, engine: Any, loss_fn: Any, pstate: ParallelState,
-                 train_iter_fn: Callable[[int], Iterator[Any]] | None,
+    def __init__(self, config: Config, args: argparse.Namespace, engine: Any, loss_fn: Any,
+                 pstate: ParallelState, train_iter_fn: Callable[[int], Iterator[Any]] | None,
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
-                 monitor: Monitor, flops_per_token: float, peak_tflops: float, device: torch.device,
+                 monitor: Monitor, peak_tflops: float, device: torch.device,
                  memory: PeakMemory | None = None) -> None:
-        self.args, self.engine, self.pstate, self.monitor, self.device = args, engine, pstate, monitor, device
+        """``config``: the resolved sections the parts read; ``args``: the flags, for the checkpoint
+        files (megapost.checkpoint.io) and the resume command of an early exit."""
+        self.config, self.args, self.engine, self.pstate = config, args, engine, pstate
+        self.monitor, self.device = monitor, device
         self.state = TrainState()
-        self.tokens_per_step = args.global_batch_size * args.seq_length
+        data, run, ckpt = config.data, config.runtime, config.checkpoint
+        self.tokens_per_step = data.global_batch_size * data.seq_length
         self.host = PluginHost(plugins)
-        self.runner = StepRunner(engine, loss_fn, pstate, device, args.grad_accum_steps,
-                                 args.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
-        self.evaluator = Evaluator(self.runner, valid_iter_fn, args.eval_iters, monitor, self.tokens_per_step)
-        self.logger = TrainLogger(monitor, Throughput(flops_per_token, pstate.world_size, peak_tflops),
-                                  memory or PeakMemory(device), device, args.log_interval, args.train_iters,
-                                  self.tokens_per_step, args.save, self.runner.dp_mean)
+        self.runner = StepRunner(engine, loss_fn, pstate, device, data.grad_accum_steps,
+                                 config.parallel.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
+        self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step)
+        throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops)
+        self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device,
+                                  config.logging.log_interval, run.train_iters, self.tokens_per_step,
+                                  ckpt.save, self.runner.dp_mean)
         self.checkpoints = CheckpointManager(args, engine, pstate, self.state, self.host, monitor, device)
-        self.watchdog = Watchdog(args, pstate)
+        self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
 
     @property
     def plugins(self) -> list[Plugin]:
@@ -108,12 +114,12 @@ class Trainer:
 
     def _step(self, history: dict[str, Any]) -> str | None:
         """One iteration: step, record, log, evaluate, save, plugins; returns why to stop (or None)."""
-        args, st, runner = self.args, self.state, self.runner
+        run, st, runner = self.config.runtime, self.state, self.runner
         self.watchdog.before_step(st.iteration + 1)
         lr = self.engine.get_lr()[0]
         loss = runner.train_step(st.iteration + 1)
         st.iteration += 1
-        st.consumed_samples += args.global_batch_size
+        st.consumed_samples += self.config.data.global_batch_size
         self.logger.throughput.tick(self.tokens_per_step)
         st.losses.append((st.iteration, loss, runner.grad_norm(), lr))
         z = runner.z_term()
@@ -122,15 +128,19 @@ class Trainer:
         history["train_loss"][st.iteration] = loss
         history["grad_norm"][st.iteration] = st.losses[-1][2]
         self.logger.log(st)
-        if args.eval_interval and st.iteration % args.eval_interval == 0:
+        if run.eval_interval and st.iteration % run.eval_interval == 0:
             self.evaluator.validate(st.iteration, history)
-        if args.save and args.save_interval and st.iteration % args.save_interval == 0:
+        if self._save_due(st.iteration):
             self.save()
         self.host.after_iteration(st.iteration, self)  # may call snapshot() / restore()
         return self.watchdog.exit_reason(st.iteration)
 
+    def _save_due(self, iteration: int) -> bool:
+        ckpt = self.config.checkpoint
+        return bool(ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0)
+
     def _train(self) -> dict[str, Any]:
-        args, st = self.args, self.state
+        run, ckpt, st = self.config.runtime, self.config.checkpoint, self.state
         self.logger.start_iteration = st.iteration
         if st.iteration == 0:
             self.runner.measure_at_init()
@@ -138,16 +148,16 @@ class Trainer:
         history: dict[str, Any] = {"train_loss": {}, "valid_loss": {}, "grad_norm": {}}
         self.logger.memory.reset()
         exit_reason = None
-        while st.iteration < args.train_iters and not exit_reason:
+        while st.iteration < run.train_iters and not exit_reason:
             exit_reason = self._step(history)
         self.logger.log(st, force=True)
-        if args.eval_interval and st.iteration % args.eval_interval and not exit_reason:
+        if run.eval_interval and st.iteration % run.eval_interval and not exit_reason:
             self.evaluator.validate(st.iteration, history)
-        if args.save and (not args.save_interval or st.iteration % args.save_interval):
+        if ckpt.save and (not ckpt.save_interval or st.iteration % ckpt.save_interval):
             self.save()
         if exit_reason:
             self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
-                              f"{last_checkpoint(args.save)}; resume with: {resume_command(args)}")
+                              f"{last_checkpoint(ckpt.save)}; resume with: {resume_command(self.args)}")
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
         history["grad_norm"] = dict(zip(history["grad_norm"],
                                         host_norms(list(history["grad_norm"].values())), strict=True))

@@ -8,11 +8,11 @@ fails as a whole, within ``--distributed-timeout-minutes``, instead of hanging.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable
 from typing import Any
 
+from megapost.config.resolved import RuntimeConfig
 from megapost.parallel.state import ParallelState
 from megapost.runtime.hang_report import explain, is_collective_error, start_heartbeat
 from megapost.runtime.interrupts import ExitConditions
@@ -33,11 +33,13 @@ def injected_failure() -> tuple[int, int] | None:
 class Watchdog:
     """Runs the loop under a heartbeat; says when to stop and when to fail on purpose."""
 
-    def __init__(self, args: argparse.Namespace, pstate: ParallelState) -> None:
+    def __init__(self, runtime: RuntimeConfig, timeout_minutes: float, pstate: ParallelState) -> None:
+        """``runtime``: the exit flags (``exit_interval``, ``exit_duration_in_mins``,
+        ``exit_signal_handler``); ``timeout_minutes``: --distributed-timeout-minutes."""
         self.pstate = pstate
-        self.timeout_minutes = getattr(args, "distributed_timeout_minutes", 10.0)
+        self.timeout_minutes = timeout_minutes
         self.fail_at = injected_failure()
-        self.exits = ExitConditions(args)
+        self.exits = ExitConditions(runtime)
 
     def run(self, loop: Callable[[], Any], iteration: Callable[[], int]) -> Any:
         """``loop()``; a collective that times out or loses a peer ends it with a CollectiveFailure
