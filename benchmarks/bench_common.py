@@ -1,27 +1,22 @@
-"""What the benchmarks share: model-size flags, synthetic batches, and megapost's real Trainer built
-around a DeepSpeed engine in this one process."""
+"""What the benchmarks share: model-size flags, synthetic batches, and megapost's real Trainer from the
+one build path (megapost.train.build) in this one process, fed synthetic batches."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 
-from megapost.config.arguments import parse_args, validate_args
-from megapost.engine import hooks as engine_hooks
-from megapost.engine.ds_config import build_ds_config
-from megapost.engine.optimizer import build_optimizer
-from megapost.engine.schedule import WarmupDecaySchedule
-from megapost.metrics.monitor import Monitor
+from megapost.data import IndexedDatasetBuilder, best_dtype
 from megapost.model import ModelConfig
-from megapost.parallel import build_model, initialize_parallel
-from megapost.parallel.compile import compile_blocks
-from megapost.pretrain import build_plugins, model_config_from_args
-from megapost.runtime.distributed import init_distributed
-from megapost.train.trainer import PluginBatches, Trainer
+from megapost.train.build import DataSource, build
+from megapost.train.prepare import Prepared, prepare
+from megapost.train.trainer import Trainer
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -40,37 +35,33 @@ def synthetic_batches(vocab: int, micro: int, seq: int) -> Iterator[dict[str, to
         yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(micro, seq)}
 
 
+def _placeholder_data(vocab: int, seq: int) -> str:
+    """A two-document .bin/.idx (for validation only: the batches are synthetic), removed at exit."""
+    tmp = tempfile.TemporaryDirectory(prefix="megapost-bench-")
+    atexit.register(tmp.cleanup)
+    prefix = str(Path(tmp.name) / "placeholder")
+    with IndexedDatasetBuilder(prefix, best_dtype(vocab)) as builder:
+        for doc in range(2):
+            builder.add_document(torch.randint(0, vocab - 1, (seq + 1,),
+                                               generator=torch.Generator().manual_seed(doc)).tolist())
+    return prefix
+
+
 def build_trainer(b: argparse.Namespace, extra_flags: Sequence[str] = (), plugin_classes: Sequence[type] = (),
                   tb_dir: str | None = None) -> tuple[Trainer, ModelConfig, Any]:
     """megapost's Trainer (real engine, hooks and plugins) on synthetic batches; returns it, the
     model config and args."""
-    args = parse_args(["--num-layers", str(b.layers), "--hidden-size", str(b.hidden), "--ffn-hidden-size",
-                       str(3 * b.hidden), "--seq-length", str(b.seq), "--micro-batch-size", str(b.micro),
-                       "--global-batch-size", str(b.micro * b.accum), "--tokenizer-model", __file__,
-                       "--data-path", "unused", "--lr", "1e-4", *extra_flags], plugin_classes)
-    args.tensorboard_dir = tb_dir
-    try:
-        validate_args(args, 1)
-    except SystemExit as e:  # only the data path is missing: the benchmark uses synthetic batches
-        assert "--data-path" in str(e), e
-    device = init_distributed(args)
-    pstate = initialize_parallel(1, 1, False)
-    cfg = model_config_from_args(args, b.vocab)
-    model, loss_fn = build_model(cfg, pstate)
-    if args.compile:
-        compile_blocks(model)
-    monitor = Monitor(tb_dir, enabled=tb_dir is not None)
-    plugins = build_plugins(plugin_classes, args, cfg, pstate, monitor)
-    for plugin in plugins:
-        plugin.on_model_built(model)
-    opt = build_optimizer(model, args)
-    sched = WarmupDecaySchedule(opt, args.lr, 0.0, 0, 10**6, "constant")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                      config=build_ds_config(args, {}))
-    trainer = Trainer(args, engine, loss_fn, pstate, None, None, plugins, monitor, cfg.flops_per_token(),
-                      1.0, device)
-    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
-    trainer.batches = PluginBatches(synthetic_batches(cfg.vocab_size, b.micro, b.seq), pipeline=False)
+    argv = ["--num-layers", str(b.layers), "--hidden-size", str(b.hidden), "--ffn-hidden-size",
+            str(3 * b.hidden), "--seq-length", str(b.seq), "--micro-batch-size", str(b.micro),
+            "--global-batch-size", str(b.micro * b.accum), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(b.vocab), "--data-path", _placeholder_data(b.vocab, b.seq), "--lr", "1e-4",
+            "--lr-decay-style", "constant", "--peak-tflops", "1", *extra_flags,
+            *(["--tensorboard-dir", tb_dir] if tb_dir else [])]
+    prep = prepare(argv, world_size=1)
+    prep = Prepared(prep.args, prep.model, prep.user_ds, list(plugin_classes) or prep.plugin_classes)
+    cfg = prep.model
+    batches = DataSource(lambda _consumed: synthetic_batches(cfg.vocab_size, b.micro, b.seq), lambda: None)
+    trainer = build(prep, data=batches)
     print(f"model {cfg.num_parameters() / 1e6:.1f}M params, {b.layers}x{b.hidden}, seq {b.seq}, "
           f"batch {b.micro}x{b.accum}, threads {torch.get_num_threads()}")
-    return trainer, cfg, args
+    return trainer, cfg, prep.args

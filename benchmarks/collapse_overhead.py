@@ -62,7 +62,7 @@ def main() -> None:
 
         def block(name: str, n: int) -> None:
             interval = variants[name]
-            trainer.plugins = [] if interval is None else [plugin]
+            trainer.plugins[:] = [] if interval is None else [plugin]  # the host's list
             plugin.interval = interval or 1
             start = {clock: fn() for clock, fn in clocks.items()}
             for _ in range(n):

@@ -1,5 +1,5 @@
-"""Multi-rank test harness: launch N gloo ranks running a function, and a small DeepSpeed training
-driver that runs one (TP, PP, DP) layout on synthetic data.
+"""Multi-rank test harness: launch N gloo ranks running a function, and the layout driver that trains
+one (TP, PP, DP) layout through megapost's own build path (megapost.train.build) on a synthetic corpus.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), sets the torchrun
 environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on a free port), one OMP thread each,
@@ -26,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megapost.model import ModelConfig, TransformerBlock, set_listener
+from megapost.plugin_api import Plugin
 
 
 def free_port() -> int:
@@ -125,14 +126,14 @@ class RunSpec:
     return_params: bool = True
     data_seed: int = 7
     optimizer: str = "adamw"  # or "sgd" (no momentum: parameter differences are lr x gradient differences)
-    count_comm: bool = False  # count tensor-parallel collective bytes over steps 1.. (step 0 warms up)
+    count_comm: bool = False  # time steps, count tensor-parallel collective bytes from step 2 (1 warms up)
     z_loss: float = 0.0  # PaLM's z-loss coefficient (build_model's loss function)
 
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global micro-batch ``index`` of optimizer step ``step``: tokens, next-token labels, and a loss
-    mask with ~15% zeros. Tokens avoid the top 16 ids (as padding rows of a vocab would be unused)."""
+    """A standalone micro-batch (for unit tests outside the trainer): tokens, next-token labels, and a
+    loss mask with ~15% zeros. Tokens avoid the top 16 ids (as padding rows of a vocab would be unused)."""
     gen = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 1009 + index)
     seq = torch.randint(0, cfg.vocab_size - 16, (spec.micro_batch, cfg.seq_length + 1), generator=gen)
     mask = (torch.rand(spec.micro_batch, cfg.seq_length, generator=gen) > 0.15).float()
@@ -154,85 +155,126 @@ class ProbeCounter:
             y.register_hook(lambda g, key=key: self.backward.__setitem__(key, self.backward[key] + 1))
 
 
-def deepspeed_config(spec: RunSpec, dp: int) -> dict[str, Any]:
-    return {
-        "train_batch_size": spec.global_batch,
-        "train_micro_batch_size_per_gpu": spec.micro_batch,
-        "gradient_accumulation_steps": spec.global_batch // (spec.micro_batch * dp),
-        "gradient_clipping": spec.clip,
-        "zero_optimization": {"stage": spec.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+def write_token_stream(prefix: str, spec: RunSpec, cfg: ModelConfig) -> None:
+    """``spec``'s synthetic corpus as a Megatron .bin/.idx (megapost's builder): documents of random
+    lengths (seq/2 .. 3 seq) of random ids below vocab - 16, enough for one epoch of the run."""
+    from megapost.data import IndexedDatasetBuilder, best_dtype
+
+    gen = torch.Generator().manual_seed(spec.data_seed)
+    need = (spec.steps * spec.global_batch + 2) * (cfg.seq_length + 1)
+    with IndexedDatasetBuilder(prefix, best_dtype(cfg.vocab_size)) as builder:
+        total = 0
+        while total < need:
+            length = int(torch.randint(cfg.seq_length // 2, 3 * cfg.seq_length, (1,), generator=gen))
+            builder.add_document(torch.randint(0, cfg.vocab_size - 16, (length,), generator=gen).tolist())
+            total += length
+
+
+def _model_flags(cfg: ModelConfig) -> list[str]:
+    flags = ["--num-layers", cfg.num_layers, "--hidden-size", cfg.hidden_size, "--ffn-hidden-size",
+             cfg.ffn_hidden_size, "--num-attention-heads", cfg.num_attention_heads, "--seq-length",
+             cfg.seq_length, "--norm-position", cfg.norm_position,
+             "--mix-post-fraction", cfg.mix_post_fraction,
+             "--dyt-alpha-init", ",".join(map(str, cfg.dyt_alpha_init)), "--norm-eps", cfg.norm_eps,
+             "--rope-theta", cfg.rope_theta, "--init-variance", cfg.init_variance, "--init-method-std",
+             cfg.init_method_std, "--init-sublayer-multiplier", cfg.sublayer_init_multiplier,
+             "--prefix-alpha", cfg.prefix_alpha, "--seed", cfg.seed,
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg.vocab_size,
+             "--make-vocab-size-divisible-by", 1]
+    flags += ["--num-query-groups", cfg.num_query_groups] if cfg.num_query_groups else []
+    flags += ["--qk-norm"] if cfg.qk_norm else []
+    flags += [] if cfg.scaled_output_init else ["--no-scaled-output-init"]
+    return [str(f) for f in flags]
+
+
+def layout_argv(spec: RunSpec, cfg: ModelConfig, data_prefix: str) -> list[str]:
+    """megapost-pretrain's flags for ``spec``: constant lr, no evaluation or checkpoints."""
+    flags = [*_model_flags(cfg), "--data-path", data_prefix, "--split", "1,0,0",
+             "--micro-batch-size", spec.micro_batch, "--global-batch-size", spec.global_batch,
+             "--train-iters", spec.steps, "--lr", spec.lr, "--lr-decay-style", "constant",
+             "--clip-grad", spec.clip, "--zero-stage", spec.zero_stage, "--z-loss", spec.z_loss,
+             "--optimizer", "sgd" if spec.optimizer == "sgd" else "adam", "--sgd-momentum", 0,
+             "--tensor-model-parallel-size", spec.tp, "--pipeline-model-parallel-size", spec.pp,
+             "--eval-interval", 0, "--log-interval", spec.steps, "--peak-tflops", 1]
+    flags += ["--sequence-parallel"] if spec.sp else []
+    flags += ["--checkpoint-activations"] if spec.checkpoint_activations else []
+    return [str(f) for f in flags]
+
+
+class StepClock(Plugin):
+    """Times every step from 1 on and counts tensor-parallel bytes from step 2 on (step 1 warms up)."""
+
+    name = "step_clock"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def wants_step(self, step: int) -> bool:
+        return step >= 1
+
+    def on_step_begin(self, step: int, model: Any) -> None:
+        from megapost.parallel.collectives import COMM_STATS
+
+        COMM_STATS.enabled = step > 1
+        self._start = time.perf_counter()
+
+    def on_step_end(self, step: int, loss: float) -> None:
+        from megapost.parallel.collectives import COMM_STATS
+
+        self.times.append(time.perf_counter() - self._start)
+        COMM_STATS.enabled = False
 
 
 def train_layout(spec: RunSpec) -> dict[str, Any]:
-    """Run ``spec`` on this rank through the DeepSpeed engine (call on every rank via ``run_ranks``).
+    """Run ``spec`` on this rank through megapost's own build path and Trainer (call on every rank via
+    ``run_ranks``): its data written as a .bin/.idx and read by megapost's data path, its generated
+    DeepSpeed config, engine hooks and optimizer (fused AdamW, or SGD).
 
-    Returns per-step losses (mean over the global batch) and global gradient norms, step times, the
-    probe counts, and on global rank 0 the full-model parameters after the last step.
+    Returns per-step losses (mean over the global batch) and global gradient norms, step times (with
+    ``count_comm``), the probe counts, and on global rank 0 the full-model parameters before and after.
     """
-    import deepspeed
+    import shutil
+
     import torch.distributed as dist
 
-    from megapost.parallel import (
-        build_model,
-        deepspeed_config_overrides,
-        full_state_dict,
-        initialize_parallel,
-        make_mpu,
-    )
+    from megapost.parallel import full_state_dict
     from megapost.parallel.collectives import COMM_STATS
+    from megapost.train.build import build
+    from megapost.train.prepare import Prepared, prepare
 
-    pstate = initialize_parallel(spec.tp, spec.pp, spec.sp)
     cfg = tiny_config(**spec.model)
-    model, loss_fn = build_model(cfg, pstate, checkpoint_activations=spec.checkpoint_activations,
-                                 z_loss=spec.z_loss)
+    tmp = [tempfile.mkdtemp(prefix="megapost-layout-") if dist.get_rank() == 0 else None]
+    if tmp[0] is not None:
+        write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
+    dist.broadcast_object_list(tmp, src=0)
+    prep = prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dist.get_world_size())
+    if spec.count_comm:
+        prep = Prepared(prep.args, prep.model, prep.user_ds, [StepClock])
+    trainer = build(prep)
+    model, pstate = trainer.engine.module, trainer.pstate
     counter = ProbeCounter()
     if spec.probes:
         set_listener(model, counter)
     params0 = full_state_dict(model, pstate) if spec.return_params else None
-    if spec.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, foreach=False)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                      weight_decay=0.1, foreach=False)
-    config = deepspeed_config(spec, pstate.dp_size) | deepspeed_config_overrides(pstate)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                      mpu=make_mpu(pstate) if pstate.pp_size == 1 else None)
-    gas = engine.gradient_accumulation_steps()
-    losses, norms, times = [], [], []
     COMM_STATS.reset()
-    for step in range(spec.steps):
-        COMM_STATS.enabled = spec.count_comm and step > 0
-        batches = [synthetic_micro_batch(spec, cfg, step, pstate.dp_rank * gas + i) for i in range(gas)]
-        start = time.perf_counter()
-        if pstate.pp_size > 1:
-            loss = float(engine.train_batch(iter([((t,), (lab, m)) for t, lab, m in batches])))
-        else:
-            total = torch.zeros(())
-            for tokens, labels, mask in batches:
-                micro_loss = loss_fn(engine(tokens), labels, mask)
-                engine.backward(micro_loss)
-                engine.step()
-                total += micro_loss.detach()
-            total /= gas
-            if pstate.dp_size > 1:
-                dist.all_reduce(total, group=pstate.dp_group)
-                total /= pstate.dp_size
-            loss = float(total)
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
-        norm = engine.get_global_grad_norm()
-        norms.append(None if norm is None else float(norm))
-    COMM_STATS.enabled = False
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp[0], ignore_errors=True)
     if spec.probes:
         set_listener(model, None)
     params = full_state_dict(model, pstate) if spec.return_params else None
+    steps = sorted(history["train_loss"])
     return {
         "rank": dist.get_rank(), "coord": (pstate.tp_rank, pstate.pp_rank, pstate.dp_rank),
-        "losses": losses, "grad_norms": norms, "step_times": times, "gas": gas,
+        "losses": [history["train_loss"][k] for k in steps],
+        "grad_norms": [history["grad_norm"][k] for k in steps],
+        "step_times": trainer.plugins[0].times if spec.count_comm else [], "gas": prep.args.grad_accum_steps,
         "probe_forward": dict(counter.forward), "probe_backward": dict(counter.backward),
         "tp_bytes": dict(COMM_STATS.bytes), "tp_calls": dict(COMM_STATS.calls),
         "local_layers": sum(isinstance(m, TransformerBlock) for m in model.modules()),

@@ -22,7 +22,7 @@ from megapost.data import (
 )
 from megapost.data.blend import Blend, DataSources
 from megapost.data.tokenizer_sidecar import read_sidecar, sidecar_path
-from megapost.pretrain import check_data
+from megapost.train.prepare import check_data
 from megapost.utils.checksum import file_sha256
 
 

@@ -258,15 +258,6 @@ def apply_hf_flags(args: Any) -> None:
         setattr(args, dest, value)
 
 
-def vocab_for(args: Any, tokenizer_vocab: int) -> int | None:
-    """The imported model's vocabulary size (None without ``--load-hf``); it must cover the tokenizer."""
-    hf_vocab = getattr(args, "hf_vocab_size", None)
-    if hf_vocab is not None and hf_vocab < tokenizer_vocab:
-        raise ConfigError(f"--load-hf {args.load_hf} has vocab_size {hf_vocab} but --tokenizer-model "
-                          f"{args.tokenizer_model} has {tokenizer_vocab} tokens; pass the model's tokenizer")
-    return hf_vocab
-
-
 class HFReader:
     """Slices of the tensors of a Hugging Face safetensors directory (single file or sharded)."""
 

@@ -11,6 +11,8 @@ from megapost.config.parser import OneLineParser
 from megapost.config.presets import PRESETS
 from megapost.model.placements import PLACEMENTS
 
+OPTIMIZERS = ("adam", "sgd")  # Megatron-LM's --optimizer values
+
 
 def _two_floats(text: str) -> tuple[float, float]:
     parts = text.split(",")
@@ -79,6 +81,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", default="adam",
+                   help="adam: AdamW (torch's fused kernel); sgd: torch SGD with --sgd-momentum (Megatron's)")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="momentum of --optimizer sgd")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--z-loss", type=float, default=0.0, metavar="COEF",
                    help="PaLM's auxiliary COEF * log^2 Z per token (e.g. 1e-4), in the gradient only: "
@@ -292,6 +297,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             "pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1"
         )
     _check_query_groups(args, tp)
+    if args.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {args.optimizer}: megapost supports adam (AdamW) or sgd")
     if args.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
         args.sequence_parallel = False
         args.megatron_notes = [*getattr(args, "megatron_notes", []),

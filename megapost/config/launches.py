@@ -114,11 +114,14 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
     return {**flat, "launches": [*getattr(args, "launch_history", []), launch]}
 
 
-def write_record(args: argparse.Namespace, directories: list[str | None]) -> None:
-    """Rank 0: args.json (atomically) into each existing directory of ``directories``."""
+def write_record(args: argparse.Namespace, directories: list[str | None],
+                 resolved: dict[str, Any] | None = None) -> None:
+    """Rank 0: args.json (atomically) into each directory of ``directories``; ``resolved``: the typed
+    configuration's sections (megapost.config.resolved), stored under ``"resolved"``."""
     from megapost.utils.atomic import atomic_write_text
 
-    text = json.dumps(record(args), indent=1, default=str)
+    content = record(args) | ({"resolved": resolved} if resolved is not None else {})
+    text = json.dumps(content, indent=1, default=str)
     for directory in {d for d in directories if d}:
         os.makedirs(directory, exist_ok=True)
         atomic_write_text(os.path.join(directory, ARGS_JSON), text)

@@ -1,4 +1,5 @@
-"""AdamW with Megatron's weight-decay groups (no decay on 1-D parameters: norm gains)."""
+"""The optimizer of ``--optimizer``: AdamW (adam) or SGD (sgd), with Megatron's weight-decay groups
+(no decay on 1-D parameters: norm gains)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from torch import nn
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """torch's fused AdamW (one kernel per tensor on CUDA and CPU; on CPU ~6x faster than the
-    per-tensor loop torch picks by default, and equal to it within fp32 rounding)."""
+    """adam: torch's fused AdamW (one kernel per tensor on CUDA and CPU; on CPU ~6x faster than the
+    per-tensor loop torch picks by default, and equal to it within fp32 rounding). sgd: torch's SGD
+    with ``--sgd-momentum``, as Megatron-LM builds it."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if getattr(args, "optimizer", "adam") == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_eps, fused=True)

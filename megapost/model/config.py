@@ -131,3 +131,11 @@ class ModelConfig:
         matmul = n * self._layer_matmul_weights() + d * v
         attention = n * s * d  # QK^T and PV, causal half of 2 * s * d each
         return 6.0 * matmul + 6.0 * attention
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128) -> int:
+    """``vocab_size`` rounded up to a multiple of ``--make-vocab-size-divisible-by`` only (not times the
+    tensor-parallel size, so the model, and a seed's weights, are the same under every layout)."""
+    if divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
+    return -(-vocab_size // divisible_by) * divisible_by

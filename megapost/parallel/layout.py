@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from megapost.model.config import ModelConfig
+from megapost.model.config import ModelConfig, padded_vocab_size
+
+__all__ = ["layout_errors", "padded_vocab_size", "validate_layout"]
 
 TP_FLAG = "--tensor-model-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128) -> int:
-    """``vocab_size`` rounded up to a multiple of ``--make-vocab-size-divisible-by`` only (not times the
-    tensor-parallel size, so the model, and a seed's weights, are the same under every layout)."""
-    if divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
-    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def layout_errors(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: bool, seq_length: int,

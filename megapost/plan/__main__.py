@@ -57,7 +57,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The trainer's own ModelConfig for these flags (vocabulary padded as it pads it)."""
-    from megapost.pretrain import model_config_from_args
+    from megapost.config.model_config import model_config_from_args
 
     try:
         return model_config_from_args(args, args.vocab_size or DEFAULT_VOCAB)

@@ -1,0 +1,175 @@
+"""The one build path: a validated run (megapost.train.prepare) -> a ready ``Trainer``: process groups,
+run directory, the typed config, data, model, plugins, optimizer and lr schedule, the DeepSpeed config
+and engine with megapost's hooks and checkpoint safety, writers and the memory report. Used by
+``megapost.pretrain``, ``benchmarks/`` and the tests' layout harness alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+
+from megapost.checkpoint import hf
+from megapost.checkpoint import safety as checkpoint_safety
+from megapost.config import launches
+from megapost.config.errors import ConfigError
+from megapost.config.megatron_habits import init_summary
+from megapost.config.resolved import Config, DataConfig, OptimizerConfig, resolve
+from megapost.data import build_data_iterator
+from megapost.data.blend import build_datasets
+from megapost.engine import hooks as engine_hooks
+from megapost.engine.ds_config import build_ds_config
+from megapost.engine.optimizer import build_optimizer
+from megapost.engine.schedule import WarmupDecaySchedule
+from megapost.metrics.monitor import Monitor
+from megapost.metrics.peak_flops import resolve_peak
+from megapost.metrics.tensor_memory import LiveTensorMemory
+from megapost.metrics.throughput import PeakMemory
+from megapost.model import ModelConfig
+from megapost.parallel import (
+    build_model,
+    deepspeed_config_errors,
+    deepspeed_config_overrides,
+    initialize_parallel,
+    make_mpu,
+)
+from megapost.parallel.compile import compile_blocks
+from megapost.parallel.state import ParallelState
+from megapost.plan import planned_rank_peak
+from megapost.plugin_api import PluginContext
+from megapost.runtime import interrupts
+from megapost.runtime.cpu import bf16_note
+from megapost.runtime.distributed import init_distributed
+from megapost.runtime.run_dir import resolve_default_run
+from megapost.train.manual_gc import manual_gc_plugins
+from megapost.train.prepare import Prepared
+from megapost.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Iterator factories for this rank: ``train(consumed_samples)`` and ``valid()`` (None: no eval)."""
+
+    train: Callable[[int], Iterator[dict[str, Any]]]
+    valid: Callable[[], Iterator[dict[str, Any]] | None]
+
+
+def build_data(data: DataConfig, pstate: ParallelState) -> DataSource:
+    """This rank's data-parallel slice of --data-path's train and valid splits."""
+    train, valid, _ = build_datasets(data.sources, data.split, seq_length=data.seq_length,
+                                     seed=data.seed, sizes=(data.train_samples, data.valid_samples, 0),
+                                     cache_dir=data.cache_dir)
+
+    def train_iter(consumed: int) -> Any:
+        return build_data_iterator(train, consumed, data.micro_batch_size, pstate.dp_rank, pstate.dp_size)
+
+    def valid_iter() -> Any:
+        if valid is None:
+            return None
+        return build_data_iterator(valid, 0, data.micro_batch_size, pstate.dp_rank, pstate.dp_size)
+
+    return DataSource(train_iter, valid_iter)
+
+
+def build_plugins(classes: Sequence[type], args: Any, model_cfg: ModelConfig, pstate: Any,
+                  monitor: Monitor) -> list[Any]:
+    ctx = PluginContext(args=args, model_config=model_cfg, parallel=pstate,
+                        tensorboard_dir=args.tensorboard_dir, writer=monitor.writer)
+    return [cls(ctx) for cls in classes]
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> WarmupDecaySchedule:
+    return WarmupDecaySchedule(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
+                               opt.lr_decay_style, wsd_decay_iters=opt.lr_wsd_decay_iters,
+                               wsd_style=opt.lr_wsd_decay_style)
+
+
+def build_engine(prep: Prepared, config: Config, model: torch.nn.Module, pstate: ParallelState
+                 ) -> tuple[Any, dict[str, Any]]:
+    """The DeepSpeed engine of ``model`` with megapost's optimizer, schedule and generated config."""
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = build_schedule(optimizer, config.optimizer)
+    ds_config = build_ds_config(prep.args, prep.user_ds)
+    for key, value in deepspeed_config_overrides(pstate).items():
+        ds_config[key] = {**ds_config.get(key, {}), **value}
+    errors = deepspeed_config_errors(pstate, ds_config)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+        mpu=make_mpu(pstate) if config.parallel.pipeline_model_parallel_size == 1 else None,
+    )
+    checkpoint_safety.install(engine, trust=config.checkpoint.trust_checkpoint)
+    return engine, ds_config
+
+
+def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None
+          ) -> Trainer:
+    """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's)."""
+    args, model_cfg = prep.args, prep.model
+    interrupts.check_master_port()  # right before the process group binds it: after the corpus build
+    device = init_distributed(args)
+    resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
+    config = resolve(args, model_cfg)
+    interrupts.PROGRESS.args = args
+    interrupts.forget_port_check()
+    par = config.parallel
+    pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                 par.sequence_parallel)
+    data = data or build_data(config.data, pstate)
+    torch.manual_seed(config.runtime.seed)
+    run = config.runtime
+    model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
+                                 checkpoint_num_layers=run.checkpoint_num_layers,
+                                 z_loss=config.optimizer.z_loss)
+    if run.compile:
+        compiled = compile_blocks(model)
+        if pstate.is_logging_rank:
+            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
+    monitor = Monitor(config.logging.tensorboard_dir, enabled=pstate.is_logging_rank,
+                      max_queue=args.tensorboard_queue_size)
+    plugins = build_plugins(prep.plugin_classes, args, model_cfg, pstate, monitor)
+    plugins += manual_gc_plugins(args, model_cfg, pstate)
+    for plugin in plugins:
+        plugin.on_model_built(model)
+    engine, ds_config = build_engine(prep, config, model, pstate)
+    peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
+                        config.logging.remeasure_peak)
+    memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
+    trainer = Trainer(config, args, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
+                      peak.tflops, device, memory=memory)
+    interrupts.PROGRESS.state = trainer.state
+    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
+    _start(trainer, config, peak.describe(), prep, device)
+    return trainer
+
+
+def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: torch.device) -> None:
+    """Resume, or start from --load-hf's weights; the start-up lines and the run's args.json."""
+    ckpt, monitor, pstate, args = config.checkpoint, trainer.monitor, trainer.pstate, prep.args
+    if ckpt.load:
+        trainer.load()
+        scheduler = trainer.engine.lr_scheduler
+        scheduler.load_state_dict(scheduler.state_dict())  # the new schedule's lr from the first step
+    elif ckpt.load_hf:
+        hf.load_hf_weights(trainer.engine, pstate, ckpt.load_hf)
+        monitor.line(f" loaded the weights of {ckpt.load_hf}")
+    elif config.logging.run_dir:  # a named run restarted before its first checkpoint: its logs start over
+        trainer.continue_logs(-1, -1)
+    monitor.line(f" megapost: {config.model.parameter_summary()}, norm={config.model.norm_position}, "
+                 f"{init_summary(args)}, {'bf16' if config.runtime.bf16 else 'fp32'}, {prep.threads}, "
+                 f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
+                 f"grad accum {config.data.grad_accum_steps}, peak {peak}")
+    for note in [n for n in (bf16_note(config.runtime.bf16, device),) if n]:
+        monitor.line(f" megapost: {note}")
+    if config.optimizer.optimizer == "sgd":
+        monitor.line(" megapost: --optimizer sgd: the planned memory counts AdamW's two moments (an upper "
+                     "bound)")
+    for note in config.logging.megatron_notes:
+        monitor.line(f" megapost: accepted {note}")
+    if pstate.is_logging_rank:  # args.json: every flag, the launch history and the resolved sections
+        launches.write_record(args, [config.logging.tensorboard_dir, ckpt.save],
+                              resolved=config.to_json()["resolved"])

@@ -1,0 +1,95 @@
+"""The training logger: per-interval monitor lines and TensorBoard scalars (loss, lr, grad norm, z-loss,
+throughput), the non-finite stop, and the one-time measured-vs-planned memory report."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megapost.checkpoint import finite_guard
+from megapost.metrics.monitor import Monitor
+from megapost.metrics.throughput import PeakMemory, Throughput, memory_gb
+
+
+def host_norms(norms: list[Any]) -> list[float | None]:
+    """Grad norms as floats, device tensors copied to the host in one transfer."""
+    on_device = [i for i, n in enumerate(norms) if isinstance(n, torch.Tensor)]
+    out: list[Any] = list(norms)
+    if on_device:
+        host = torch.stack([norms[i].detach().float().reshape(()) for i in on_device]).tolist()
+        for i, value in zip(on_device, host, strict=True):
+            out[i] = value
+    return [None if n is None else float(n) for n in out]
+
+
+class TrainLogger:
+    """Writes the steps a ``TrainState`` holds (``losses``, ``z_losses``) every ``log_interval``."""
+
+    def __init__(self, monitor: Monitor, throughput: Throughput, memory: PeakMemory, device: torch.device,
+                 log_interval: int, train_iters: int, tokens_per_step: int, save_dir: str | None,
+                 dp_mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.monitor, self.throughput, self.memory, self.device = monitor, throughput, memory, device
+        self.log_interval, self.train_iters, self.tokens_per_step = log_interval, train_iters, tokens_per_step
+        self.save_dir, self.dp_mean = save_dir, dp_mean
+        self.memory_report: dict[str, Any] = {}
+        self.start_iteration = 0
+        self._peak_warned = False
+
+    def _write_steps(self, st: Any) -> tuple[list[float], list[float | None]]:
+        values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
+        norms = host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
+        z = {}  # one DP all-reduce and one host read per interval, on the ranks holding z terms
+        if st.z_losses:
+            z = dict(zip(st.z_losses, self.dp_mean(torch.stack(list(st.z_losses.values()))).tolist(),
+                         strict=True))
+        for (step, _, _, lr), loss, norm in zip(st.losses, values, norms, strict=True):
+            tokens = step * self.tokens_per_step
+            scalars = {"lm_loss": loss, "lr": lr}
+            if norm is not None:
+                scalars["grad_norm"] = norm
+            if step in z:
+                scalars["z_loss"] = z[step]
+            self.monitor.scalars("train", scalars, step, tokens)
+        for (step, _, _, _), value, norm in zip(st.losses, values, norms, strict=True):
+            if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
+                raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
+                                                    self.save_dir)
+        return values, norms
+
+    def log(self, st: Any, force: bool = False) -> None:
+        if not st.losses or not (force or st.iteration % self.log_interval == 0):
+            return
+        values, norms = self._write_steps(st)
+        perf = self.throughput.report()
+        if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
+            self._peak_warned = True
+            self.monitor.line(f" warning: MFU {100 * perf['mfu']:.0f}% > 100%: the peak it divides by "
+                              f"({self.throughput.peak_tflops:.4g} TFLOP/s/device) is too low, e.g. a CPU "
+                              "peak measured while the machine was busy; measure it again with "
+                              "--remeasure-peak on an idle machine, or pass --peak-tflops")
+        perf["memory_gb"] = memory_gb(self.device)
+        self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
+        lr = st.losses[-1][3]
+        gn = f"{norms[-1]:.3f}" if norms[-1] is not None else "n/a"
+        self.monitor.line(
+            f" iteration {st.iteration:6d}/{self.train_iters} | consumed samples {st.consumed_samples} | "
+            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
+            f"tokens/s {perf['tokens_per_sec']:.0f} | TFLOP/s/dev {perf['tflops_per_device']:.3f} | "
+            f"MFU {100 * perf['mfu']:.1f}% | mem {perf['memory_gb']:.2f} GB | "
+            f"ETA {self.monitor.eta(st.iteration, self.start_iteration, self.train_iters)}"
+        )
+        st.losses, st.z_losses = [], {}
+        if not self.memory_report and st.iteration >= min(2, self.train_iters):
+            self.report_memory()  # from step 2 on the optimizer states exist: the steady-state peak
+
+    def report_memory(self) -> None:
+        """Once, at the first log line from step 2: this rank's measured peak beside the planner's."""
+        measured, how = self.memory.peak()
+        planned = self.memory.planned
+        self.memory_report = {"measured_bytes": measured, "planned_bytes": planned, "measured_as": how}
+        ratio = f" ({measured / planned:.2f}x planned)" if planned and "RSS" not in how else ""
+        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank (python -m megapost.plan) | "
+                          f"measured {measured / 2**30:.3f} GB ({how}){ratio}")

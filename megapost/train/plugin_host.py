@@ -1,0 +1,93 @@
+"""The plugin host: which plugins measure this step, the micro-batches they see, and every call the
+trainer makes into them (megapost.plugin_api.Plugin)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from megapost.plugin_api import Plugin
+from megapost.train.plugin_binding import PluginBinding, bind_plugins
+
+
+class PluginBatches:
+    """Iterator wrapper that shows every micro-batch to the plugins measuring this step."""
+
+    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool) -> None:
+        self.it, self.pipeline = it, pipeline
+        self.active: list[Plugin] = []
+        self.step = 0
+
+    def __iter__(self) -> PluginBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        for plugin in self.active:
+            plugin.on_micro_batch(self.step, batch)
+        if self.pipeline:
+            return (batch["tokens"],), (batch["labels"], batch["loss_mask"])
+        return batch
+
+
+class PluginHost:
+    """The run's plugins and the ones active on the step in progress."""
+
+    def __init__(self, plugins: list[Plugin]) -> None:
+        self.plugins = plugins
+        self.active: list[Plugin] = []
+        self.binding: PluginBinding | None = None
+
+    def bind(self, engine: Any, snapshot: Any, restore: Any) -> None:
+        """Lend every plugin's ``PluginContext`` the engine's reads and the trainer's rollback."""
+        self.binding = bind_plugins(self.plugins, engine, snapshot, restore)
+
+    def wanting(self, step: int) -> list[Plugin]:
+        return [p for p in self.plugins if p.wants_step(step)]
+
+    def begin_step(self, step: int, batches: PluginBatches, module: nn.Module,
+                   active: list[Plugin] | None = None) -> list[Plugin]:
+        """Start the plugins that want ``step`` (``active``, else asked here) and show them its
+        micro-batches."""
+        active = self.wanting(step) if active is None else active
+        batches.active, batches.step = active, step
+        for plugin in active:
+            plugin.on_step_begin(step, module)
+        return active
+
+    def end_step(self, step: int, active: list[Plugin], loss: Any) -> None:
+        """The step's loss to its active plugins (one host read, only when some are active)."""
+        if active:
+            loss_value = float(loss)
+            for plugin in active:
+                plugin.on_step_end(step, loss_value)
+
+    def before_optimizer_step(self, step: int) -> None:
+        for plugin in self.active:
+            plugin.before_optimizer_step(step)
+
+    def after_iteration(self, iteration: int) -> None:
+        """Every plugin's ``after_iteration`` (which may roll back through its context), then the lr
+        requests they made."""
+        for plugin in self.plugins:
+            plugin.after_iteration(iteration)
+        if self.binding is not None:
+            self.binding.apply_requests()
+
+    def states(self) -> dict[str, Any]:
+        return {p.name: p.state_dict() for p in self.plugins}
+
+    def load_states(self, states: dict[str, Any]) -> None:
+        for plugin in self.plugins:
+            if plugin.name in states:
+                plugin.load_state_dict(states[plugin.name])
+
+    def on_resume(self, iteration: int) -> None:
+        for plugin in self.plugins:
+            plugin.on_resume(iteration)
+
+    def close(self) -> None:
+        for plugin in self.plugins:
+            plugin.close()

@@ -1,0 +1,96 @@
+"""The step runner: one optimizer step (or a forward-only pass) of micro-batches through the DeepSpeed
+engine, the data-parallel mean of its loss, and the engine's grad norm as it keeps it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megapost.parallel.state import ParallelState
+from megapost.train.plugin_host import PluginBatches, PluginHost
+
+
+class StepRunner:
+    """Runs steps of ``grad_accum_steps`` micro-batches from ``train_iter_fn(consumed_samples)``."""
+
+    def __init__(self, engine: Any, loss_fn: Any, pstate: ParallelState, device: torch.device,
+                 grad_accum_steps: int, pipeline: bool, host: PluginHost,
+                 train_iter_fn: Callable[[int], Iterator[dict[str, Any]]] | None) -> None:
+        self.engine, self.loss_fn, self.pstate, self.device = engine, loss_fn, pstate, device
+        self.grad_accum_steps, self.pipeline, self.host = grad_accum_steps, pipeline, host
+        self.train_iter_fn = train_iter_fn
+        self.batches: PluginBatches | None = None
+
+    def start_data(self, consumed_samples: int) -> None:
+        """Training batches from sample ``consumed_samples`` on."""
+        assert self.train_iter_fn is not None
+        self.batches = PluginBatches(self.train_iter_fn(consumed_samples), self.pipeline)
+
+    def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.pstate.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.pstate.dp_group)
+            value /= self.pstate.dp_size
+        return value
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
+        losses = []
+        for _ in range(self.grad_accum_steps):
+            batch = next(batches)
+            tokens, labels, mask = (self._to_device(batch[k]) for k in ("tokens", "labels", "loss_mask"))
+            loss = self.loss_fn(self.engine(tokens), labels, mask)
+            if backward:
+                self.engine.backward(loss)
+                self.engine.step()
+            losses.append(loss.detach().float())
+        return self.dp_mean(torch.stack(losses).mean())
+
+    def z_term(self) -> torch.Tensor | None:
+        """--z-loss: this step's z term averaged over this rank's micro-batches, on the ranks that
+        computed the loss (None elsewhere, and without --z-loss); averaged over DP at log time."""
+        take = getattr(self.loss_fn, "take_z_terms", None)
+        terms = take() if take is not None else []
+        return torch.stack(terms).mean() if terms else None
+
+    def train_step(self, step: int) -> torch.Tensor:
+        self.z_term()  # drop terms from evaluation passes (no collective)
+        assert self.batches is not None
+        active = self.host.begin_step(step, self.batches, self.engine.module)
+        self.host.active = active
+        if self.pipeline:
+            loss = self.engine.train_batch(data_iter=self.batches).detach().float()
+        else:
+            loss = self.micro_losses(self.batches, backward=True)
+        self.host.end_step(step, active, loss)
+        self.batches.active = []
+        return loss
+
+    def measure_at_init(self) -> None:
+        """Step 0: a forward-only pass on the first training batch for plugins that want it."""
+        active = self.host.wanting(0)
+        if not active:
+            return
+        assert self.train_iter_fn is not None
+        batches = PluginBatches(self.train_iter_fn(0), self.pipeline)
+        self.host.begin_step(0, batches, self.engine.module, active)
+        with torch.no_grad():
+            if self.pipeline:
+                loss = self.engine.eval_batch(data_iter=batches)
+            else:
+                loss = self.micro_losses(batches, backward=False)
+        self.host.end_step(0, active, loss)
+
+    def grad_norm(self) -> Any:
+        """The engine's global grad norm as it keeps it (a device tensor on some paths): converted
+        only at log time, so a step costs no extra host sync."""
+        norm = self.engine.get_global_grad_norm()
+        return norm.detach() if isinstance(norm, torch.Tensor) else norm
