@@ -37,7 +37,6 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "normalization": (("RMSNorm",), "megapost's norms are RMSNorm (--normalization RMSNorm)"),
     "position_embedding_type": (("rope",), "megapost uses RoPE (--position-embedding-type rope)"),
     "transformer_impl": (("local", "transformer_engine"), "megapost's own torch implementation"),
-    "ckpt_format": (("torch", "torch_dist"), "DeepSpeed checkpoints plus megapost's layout-free state"),
 }
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")

@@ -277,6 +277,7 @@ class Trainer:
             raise explain(e, self.pstate.global_rank, self.state.iteration + 1, timeout_minutes,
                           heartbeat) from None
         finally:
+            checkpoint_io.wait_for_saves(raise_errors=False)  # an interrupt: a background save completes
             if heartbeat is not None:
                 heartbeat.stop()
 
@@ -319,6 +320,7 @@ class Trainer:
             self._validate(history)
         if args.save and (not args.save_interval or st.iteration % args.save_interval):
             self.save()
+        checkpoint_io.wait_for_saves()  # the end of training waits for a background save
         if exit_reason:
             self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
                               f"{last_checkpoint(args.save)}; resume with: {resume_command(args)}")
@@ -368,7 +370,8 @@ class Trainer:
         states = {p.name: p.state_dict() for p in self.plugins}
         tag = checkpoint_io.save(self.engine, self.args, self.state.iteration, self.state.consumed_samples,
                                  states, self.pstate)
-        self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
+        done = "saving checkpoint (in the background)" if self.args.async_save else "saved checkpoint"
+        self.monitor.line(f" {done} {self.args.save}/{tag}")
 
     def continue_logs(self, iteration: int, consumed: int) -> None:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
