@@ -254,6 +254,10 @@ def load(engine: Any, args: argparse.Namespace, pstate: Any) -> tuple[int, int, 
 
 def _load_deepspeed(engine: Any, args: argparse.Namespace, tag: str, optim: bool,
                     finetune: bool) -> dict[str, Any]:
+    tag_dir = os.path.join(args.load, tag)
+    if not _has_deepspeed_files(tag_dir):
+        raise ConfigError(f"--load {tag_dir}: the tag holds no checkpoint files (neither {layout_free.DIR}/ "
+                          "nor DeepSpeed's *.pt); load another tag (write its name into 'latest')")
     try:
         path, client = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=optim,
                                               load_lr_scheduler_states=optim, load_module_only=finetune)

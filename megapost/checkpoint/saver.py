@@ -104,10 +104,19 @@ def _wait_for_files(job: _Save) -> None:
         time.sleep(0.02)
 
 
+def _test_pause(tag: str) -> Any:
+    """``MEGAPOST_SLOW_SAVE=ITER:SECONDS`` (tests: kill -9 during a write): the save of iteration ITER
+    sleeps SECONDS with its first file half written."""
+    spec = os.environ.get("MEGAPOST_SLOW_SAVE", "")
+    if ":" not in spec or tag != f"iter_{int(spec.split(':')[0]):07d}":
+        return None
+    return lambda: time.sleep(float(spec.split(":")[1]))
+
+
 def _finish(job: _Save, files: sharded.RankFiles, event: Any) -> None:
     """Write this rank's files; rank 0 then publishes the tag and applies retention."""
     try:
-        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, event)
+        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, event, _test_pause(job.tag))
         if job.rank == 0:
             _wait_for_files(job)
             lf.write_manifest(job.tmp_dir)

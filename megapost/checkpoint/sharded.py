@@ -149,12 +149,13 @@ class HostPool:
         return out, event
 
 
-def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, event: Any = None) -> int:
+def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, event: Any = None,
+                     pause: Any = None) -> int:
     """Write this rank's files into ``tag_dir`` (each atomically); returns bytes written."""
     if event is not None:
         event.synchronize()
     total = 0
     for rel, entries, header in files.files:
         total += write_safetensors(os.path.join(tag_dir, rel), entries, {"megapost": json.dumps(header)},
-                                   staging)
+                                   staging, pause=pause)
     return total

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,15 +69,20 @@ def _write_tensor(f, t: torch.Tensor, staging: Staging) -> None:
 
 
 def write_safetensors(path: str, entries: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str],
-                      staging: Staging | None = None, fsync: bool = True) -> int:
-    """Write ``entries`` (name, tensor) to ``path`` atomically (temp name, then rename); returns bytes."""
+                      staging: Staging | None = None, fsync: bool = True,
+                      pause: Callable[[], None] | None = None) -> int:
+    """Write ``entries`` (name, tensor) to ``path`` atomically (temp name, then rename); returns bytes.
+    ``pause`` (tests) runs after the first tensor, with the file half written."""
     staging = staging or Staging()
     with atomic_path(path, fsync=fsync) as tmp:
         try:
             with open(tmp, "wb") as f:
                 f.write(_header(entries, metadata))
-                for _, t in entries:
+                for i, (_, t) in enumerate(entries):
                     _write_tensor(f, t, staging)
+                    if i == 0 and pause is not None:
+                        f.flush()
+                        pause()
         except OSError as e:
             raise OSError(e.errno, e.strerror, path) from e
     return os.path.getsize(path)
