@@ -53,6 +53,7 @@ class _Save:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     written: int = 0
+    done_at: float = 0.0  # time.perf_counter() when the background write ended
 
     @property
     def tmp_dir(self) -> str:
@@ -136,6 +137,8 @@ def _background(job: _Save, files: sharded.RankFiles, event: Any) -> None:
         _finish(job, files, event)
     except BaseException as e:  # surfaces in wait_pending
         job.error = e
+    finally:
+        job.done_at = time.perf_counter()
 
 
 def _error(e: BaseException, job: _Save) -> BaseException:

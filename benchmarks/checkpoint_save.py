@@ -1,0 +1,232 @@
+"""What a save costs, measured on megapost's real trainer (``megapost.pretrain``, DeepSpeed engine,
+the embedded corpus in $MEGAPOST_DATA_DIR):
+
+* ``bytes``: bytes written per save / training-state bytes, per --ckpt-format (megapost, deepspeed).
+* ``rss``: peak host RSS growth of each rank during a synchronous save (psutil, sampled every 2 ms),
+  / that rank's shard bytes — ZeRO-2 at DP4 by default — and, for comparison, the growth of gathering
+  the full fp32 state on every rank (what the layout-free copy did before: ``safe_get_full_*``).
+* ``async``: training time lost per ``--async-save`` save / the synchronous save's wall time. Lost =
+  the time save() blocks + how much the steps overlapping the background write exceed the median
+  step outside any write.
+
+    nice python benchmarks/checkpoint_save.py bytes
+    nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
+    nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.environ.get("MEGAPOST_DATA_DIR", "/work/data")
+
+
+def _flags(a: argparse.Namespace, save: str, iters: int, extra: list[str]) -> list[str]:
+    return ["--data-path", f"{DATA}/news_text_document", "--tokenizer-model", f"{DATA}/tokenizer.model",
+            "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--ffn-hidden-size",
+            str(a.hidden * 8 // 3 // 64 * 64), "--num-attention-heads", str(max(1, a.hidden // 64)),
+            "--seq-length", str(a.seq), "--micro-batch-size", "1", "--global-batch-size", str(a.dp),
+            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "0",
+            "--log-interval", "1", "--save", save, "--allow-tokenizer-mismatch", *extra]
+
+
+class Sampler(threading.Thread):
+    def __init__(self) -> None:
+        import psutil
+
+        super().__init__(daemon=True)
+        self.proc, self.peak, self.running = psutil.Process(), 0, True
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return self.peak
+
+
+def _old_gather(engine) -> None:
+    """What the layout-free copy did before: the full fp32 master and moments of every parameter."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    held = [(safe_get_full_fp32_param(p).float().cpu(), safe_get_full_optimizer_state(p, "exp_avg").cpu(),
+             safe_get_full_optimizer_state(p, "exp_avg_sq").cpu()) for p in engine.module.parameters()]
+    del held
+
+
+def _child_rss(out: str, flags: list[str]) -> None:
+    """Inside each rank: measure the save (and the old gather) with a psutil sampler."""
+    import psutil
+
+    from megapost import pretrain
+    from megapost.checkpoint import saver
+
+    real = saver.save
+
+    def measured(engine, args, iteration, consumed, plugins, pstate):
+        from megapost.checkpoint import layout_free as lf
+
+        lf._link_state(engine)
+        base = psutil.Process().memory_info().rss
+        s = Sampler()
+        s.start()
+        _old_gather(engine)
+        old_peak = s.stop()
+        base2 = psutil.Process().memory_info().rss
+        s = Sampler()
+        s.start()
+        t0 = time.perf_counter()
+        tag = real(engine, args, iteration, consumed, plugins, pstate)
+        seconds = time.perf_counter() - t0
+        peak = s.stop()
+        rank = pstate.global_rank
+        from megapost.checkpoint.layout_free import shard_file_v2
+
+        shard = os.path.join(args.save, tag, "layout_free",
+                             shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
+        nbytes = os.path.getsize(shard)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "shard_bytes": nbytes, "rss_before": base2, "save_growth": peak - base2,
+                       "old_growth": old_peak - base, "save_s": seconds}, f)
+        return tag
+
+    saver.save = measured
+    pretrain.main(flags)
+
+
+def rss(a: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="ckpt-rss-")
+    ds = os.path.join(work, "ds.json")
+    with open(ds, "w") as f:  # DeepSpeed's default 5e8-element buckets are 2 GB a rank: keep the host small
+        json.dump({"zero_optimization": {"reduce_bucket_size": 2e7, "allgather_bucket_size": 2e7}}, f)
+    flags = _flags(a, os.path.join(work, "ckpt"), a.iters, ["--zero-stage", str(a.zero), "--save-interval",
+                                                             str(a.iters), "--deepspeed_config", ds])
+    cmd = ["deepspeed", "--num_gpus", str(a.dp), "--master_port", str(29700 + os.getpid() % 200),
+           __file__, "child-rss", "--out", work, "--", *flags]
+    subprocess.run(cmd, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for path in sorted(glob.glob(os.path.join(work, "rank*.json"))):
+        r = json.load(open(path))
+        print(f"rank {r['rank']}: shard {r['shard_bytes'] / 1e6:.0f} MB, save {r['save_s']:.1f} s, "
+              f"peak RSS growth during save {r['save_growth'] / 1e6:.1f} MB = "
+              f"{r['save_growth'] / r['shard_bytes']:.3f} x shard (shard + growth: "
+              f"{(r['shard_bytes'] + r['save_growth']) / r['shard_bytes']:.3f}); old full gather: "
+              f"{r['old_growth'] / 1e6:.0f} MB = {r['old_growth'] / r['shard_bytes']:.2f} x shard")
+
+
+def _child_async(out: str, flags: list[str]) -> None:
+    from megapost import pretrain
+    from megapost.checkpoint import saver
+    from megapost.train.trainer import Trainer
+
+    events: dict[str, list] = {"steps": [], "saves": []}
+    real_step, real_save = Trainer.train_step, saver.save
+
+    def step(self, n):
+        t0 = time.perf_counter()
+        loss = real_step(self, n)
+        events["steps"].append((n, t0, time.perf_counter()))
+        return loss
+
+    def save(*args, **kw):
+        t0 = time.perf_counter()
+        tag = real_save(*args, **kw)
+        t1 = time.perf_counter()
+        job = saver._pending
+        events["saves"].append([t0, t1, job])
+        return tag
+
+    Trainer.train_step, saver.save = step, save
+    pretrain.main(flags)
+    saves = []
+    for t0, t1, job in events["saves"]:
+        end = t1
+        if job is not None:
+            job.thread.join()
+            end = getattr(job, "done_at", t1)
+        saves.append((t0, t1, end))
+    json.dump({"steps": events["steps"], "saves": saves}, open(os.path.join(out, "events.json"), "w"))
+
+
+def _lost(events: dict) -> tuple[list[float], list[float]]:
+    """(blocking seconds, total lost seconds) per save before the last step."""
+    steps, saves = events["steps"], events["saves"][:-1]
+    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e in saves) for _, a, b in steps]
+    base = statistics.median(b - a for (_, a, b), x in zip(steps, inside, strict=True) if not x)
+    blocking, lost = [], []
+    for s0, s1, e in saves:
+        over = [b - a - base for _, a, b in steps if a >= s1 and a <= e]
+        blocking.append(s1 - s0)
+        lost.append(s1 - s0 + max(0.0, sum(over)))
+    return blocking, lost
+
+
+def async_(a: argparse.Namespace) -> None:
+    res = {}
+    for mode in ("sync", "async"):
+        work = tempfile.mkdtemp(prefix=f"ckpt-{mode}-")
+        extra = ["--save-interval", str(a.interval)] + (["--async-save"] if mode == "async" else [])
+        flags = _flags(a, os.path.join(work, "ckpt"), a.iters, extra)
+        subprocess.run([sys.executable, __file__, "child-async", "--out", work, "--", *flags], cwd=REPO,
+                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+        res[mode] = _lost(json.load(open(os.path.join(work, "events.json"))))
+    sync_wall = statistics.mean(res["sync"][0])
+    blocking, lost = (statistics.mean(x) for x in res["async"])
+    print(f"sync save wall {sync_wall:.2f} s; async: save() blocks {blocking:.3f} s, training time lost per "
+          f"save {lost:.3f} s; lost / sync wall = {lost / sync_wall:.3f} (blocking only: "
+          f"{blocking / sync_wall:.3f})")
+
+
+def bytes_(a: argparse.Namespace) -> None:
+    from megapost.checkpoint.layout_free import ShardIndex
+
+    for fmt in ("megapost", "deepspeed"):
+        work = tempfile.mkdtemp(prefix=f"ckpt-bytes-{fmt}-")
+        flags = _flags(a, os.path.join(work, "ckpt"), 1, ["--ckpt-format", fmt, "--zero-stage", "1"])
+        subprocess.run([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+        tag = os.path.join(work, "ckpt", "iter_0000001")
+        n = sum(math.prod(s) for s in ShardIndex(tag).shapes.values())
+        written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tag) for f in fs)
+        print(f"--ckpt-format {fmt}: {written / 1e6:.1f} MB written; training state (fp32 weights + "
+              f"2 moments, {n / 1e6:.1f}M params) {12 * n / 1e6:.1f} MB; ratio {written / (12 * n):.4f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["bytes", "rss", "async", "child-rss", "child-async"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--interval", type=int, default=3)
+    p.add_argument("--out")
+    p.add_argument("--local_rank", type=int, help="set by DeepSpeed's launcher")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    if a.what == "child-rss":
+        _child_rss(a.out, rest)
+    elif a.what == "child-async":
+        _child_async(a.out, rest)
+    else:
+        {"bytes": bytes_, "rss": rss, "async": async_}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
