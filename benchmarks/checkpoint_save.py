@@ -5,6 +5,7 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
 * ``rss``: peak host RSS growth of each rank during a synchronous save (psutil, sampled every 2 ms),
   / that rank's shard bytes — ZeRO-2 at DP4 by default — and, for comparison, the growth of gathering
   the full fp32 state on every rank (what the layout-free copy did before: ``safe_get_full_*``).
+* ``kill9``: kill -9 at random moments of an async save; resume bit-exact from what 'latest' names.
 * ``async``: training time lost per ``--async-save`` save / the synchronous save's wall time. Lost =
   the time save() blocks + how much the steps overlapping the background write exceed the median
   step outside any write.
@@ -12,6 +13,7 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
     nice python benchmarks/checkpoint_save.py bytes
     nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
     nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768
+    nice python benchmarks/checkpoint_save.py kill9 --iters 8 --trials 3
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def _child_rss(out: str, flags: list[str]) -> None:
         base = psutil.Process().memory_info().rss
         s = Sampler()
         s.start()
-        _old_gather(engine)
+        if os.environ.get("CKPT_BENCH_OLD") == "1":
+            _old_gather(engine)
         old_peak = s.stop()
         base2 = psutil.Process().memory_info().rss
         s = Sampler()
@@ -117,7 +120,8 @@ def rss(a: argparse.Namespace) -> None:
                                                              str(a.iters), "--deepspeed_config", ds])
     cmd = ["deepspeed", "--num_gpus", str(a.dp), "--master_port", str(29700 + os.getpid() % 200),
            __file__, "child-rss", "--out", work, "--", *flags]
-    subprocess.run(cmd, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CKPT_BENCH_OLD="1" if a.old else "0")
+    subprocess.run(cmd, cwd=REPO, check=True, env=env)
     for path in sorted(glob.glob(os.path.join(work, "rank*.json"))):
         r = json.load(open(path))
         print(f"rank {r['rank']}: shard {r['shard_bytes'] / 1e6:.0f} MB, save {r['save_s']:.1f} s, "
@@ -153,21 +157,21 @@ def _child_async(out: str, flags: list[str]) -> None:
     pretrain.main(flags)
     saves = []
     for t0, t1, job in events["saves"]:
-        end = t1
+        end, cpu = t1, 0.0
         if job is not None:
             job.thread.join()
-            end = getattr(job, "done_at", t1)
-        saves.append((t0, t1, end))
+            end, cpu = job.done_at, job.cpu_s
+        saves.append((t0, t1, end, cpu))
     json.dump({"steps": events["steps"], "saves": saves}, open(os.path.join(out, "events.json"), "w"))
 
 
 def _lost(events: dict) -> tuple[list[float], list[float]]:
     """(blocking seconds, total lost seconds) per save before the last step."""
     steps, saves = events["steps"], events["saves"][:-1]
-    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e in saves) for _, a, b in steps]
+    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e, _ in saves) for _, a, b in steps]
     base = statistics.median(b - a for (_, a, b), x in zip(steps, inside, strict=True) if not x)
     blocking, lost = [], []
-    for s0, s1, e in saves:
+    for s0, s1, e, _ in saves:
         over = [b - a - base for _, a, b in steps if a >= s1 and a <= e]
         blocking.append(s1 - s0)
         lost.append(s1 - s0 + max(0.0, sum(over)))
@@ -182,7 +186,12 @@ def async_(a: argparse.Namespace) -> None:
         flags = _flags(a, os.path.join(work, "ckpt"), a.iters, extra)
         subprocess.run([sys.executable, __file__, "child-async", "--out", work, "--", *flags], cwd=REPO,
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
-        res[mode] = _lost(json.load(open(os.path.join(work, "events.json"))))
+        events = json.load(open(os.path.join(work, "events.json")))
+        res[mode] = _lost(events)
+        if mode == "async":
+            cpu = statistics.mean(c for *_, c in events["saves"][:-1])
+            wall = statistics.mean(e - s1 for _, s1, e, _ in events["saves"][:-1])
+            print(f"async background write: {wall:.2f} s wall, {cpu:.2f} s CPU of its thread per save")
     sync_wall = statistics.mean(res["sync"][0])
     blocking, lost = (statistics.mean(x) for x in res["async"])
     print(f"sync save wall {sync_wall:.2f} s; async: save() blocks {blocking:.3f} s, training time lost per "
@@ -205,9 +214,58 @@ def bytes_(a: argparse.Namespace) -> None:
               f"2 moments, {n / 1e6:.1f}M params) {12 * n / 1e6:.1f} MB; ratio {written / (12 * n):.4f}")
 
 
+def _scalars(tb: str, tag: str = "train/lm_loss") -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+
+
+def kill9(a: argparse.Namespace) -> None:
+    """Trials: kill -9 at a random moment after the async save of iteration 4 starts; 'latest' must
+    name a complete tag (2, or 4 when the write had finished), and resuming from it must give the
+    losses of an uninterrupted run bit for bit."""
+    import random
+    import signal
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    work = tempfile.mkdtemp(prefix="ckpt-kill9-")
+    ref_tb = os.path.join(work, "ref")
+    flags = _flags(a, os.path.join(work, "unused"), a.iters,
+                   ["--tensorboard-dir", ref_tb, "--save-interval", "0"])
+    subprocess.run([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref = _scalars(ref_tb)
+    rng = random.Random(0)
+    for trial in range(a.trials):
+        ckpt = os.path.join(work, f"ckpt{trial}")
+        flags = _flags(a, ckpt, a.iters, ["--save-interval", "2", "--async-save"])
+        proc = subprocess.Popen([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp")) and proc.poll() is None:
+            time.sleep(0.01)
+        delay = rng.uniform(0, a.max_delay)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = open(os.path.join(ckpt, "latest")).read().strip()
+        tb = os.path.join(work, f"tb{trial}")
+        subprocess.run([sys.executable, "-m", "megapost.pretrain", *_flags(a, ckpt, a.iters, [
+            "--load", ckpt, "--tensorboard-dir", tb])], cwd=REPO, env=env, check=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        resumed = _scalars(tb)
+        exact = bool(resumed) and all(resumed[s] == ref[s] for s in resumed)
+        print(f"trial {trial}: killed {delay:.2f} s after iter_0000004.tmp appeared; latest {latest}; "
+              f"resumed steps {min(resumed)}..{max(resumed)} bit-exact vs uninterrupted: {exact}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["bytes", "rss", "async", "child-rss", "child-async"])
+    p.add_argument("what", choices=["bytes", "rss", "async", "kill9", "child-rss", "child-async"])
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--old", action="store_true", help="rss: also measure the old full gather (12 B/param)")
+    p.add_argument("--max-delay", type=float, default=3.0, help="kill9: seconds after the save starts")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=32)
@@ -217,15 +275,15 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--out")
     p.add_argument("--local_rank", type=int, help="set by DeepSpeed's launcher")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    a = p.parse_args()
-    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, rest = p.parse_args(argv[:cut]), argv[cut + 1:]  # after "--": the trainer's flags (children)
     if a.what == "child-rss":
         _child_rss(a.out, rest)
     elif a.what == "child-async":
         _child_async(a.out, rest)
     else:
-        {"bytes": bytes_, "rss": rss, "async": async_}[a.what](a)
+        {"bytes": bytes_, "rss": rss, "async": async_, "kill9": kill9}[a.what](a)
 
 
 if __name__ == "__main__":

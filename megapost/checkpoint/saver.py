@@ -54,6 +54,7 @@ class _Save:
     error: BaseException | None = None
     written: int = 0
     done_at: float = 0.0  # time.perf_counter() when the background write ended
+    cpu_s: float = 0.0  # CPU time the background thread used
 
     @property
     def tmp_dir(self) -> str:
@@ -133,12 +134,14 @@ def _finish(job: _Save, files: sharded.RankFiles, event: Any) -> None:
 
 
 def _background(job: _Save, files: sharded.RankFiles, event: Any) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU, not training's
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
         _finish(job, files, event)
     except BaseException as e:  # surfaces in wait_pending
         job.error = e
     finally:
-        job.done_at = time.perf_counter()
+        job.done_at, job.cpu_s = time.perf_counter(), time.thread_time()
 
 
 def _error(e: BaseException, job: _Save) -> BaseException:
