@@ -94,6 +94,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
         s.start()
         t0 = time.perf_counter()
         tag = real(engine, args, iteration, consumed, plugins, pstate)
+        written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
         seconds = time.perf_counter() - t0
         peak = s.stop()
         rank = pstate.global_rank
@@ -101,7 +102,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
 
         shard = os.path.join(args.save, tag, "layout_free",
                              shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
-        nbytes = os.path.getsize(shard)
+        nbytes = written or os.path.getsize(shard)  # async: rank 0 may not have published the tag yet
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "shard_bytes": nbytes, "rss_before": base2, "save_growth": peak - base2,
                        "old_growth": old_peak - base, "save_s": seconds}, f)
@@ -117,7 +118,8 @@ def rss(a: argparse.Namespace) -> None:
     with open(ds, "w") as f:  # DeepSpeed's default 5e8-element buckets are 2 GB a rank: keep the host small
         json.dump({"zero_optimization": {"reduce_bucket_size": 2e7, "allgather_bucket_size": 2e7}}, f)
     flags = _flags(a, os.path.join(work, "ckpt"), a.iters, ["--zero-stage", str(a.zero), "--save-interval",
-                                                             str(a.iters), "--deepspeed_config", ds])
+                                                             str(a.iters), "--deepspeed_config", ds,
+                                                             *(["--async-save"] if a.async_save else [])])
     cmd = ["deepspeed", "--num_gpus", str(a.dp), "--master_port", str(29700 + os.getpid() % 200),
            __file__, "child-rss", "--out", work, "--", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", CKPT_BENCH_OLD="1" if a.old else "0")
@@ -264,6 +266,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["bytes", "rss", "async", "kill9", "child-rss", "child-async"])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--async-save", action="store_true", help="rss: measure an --async-save save")
     p.add_argument("--old", action="store_true", help="rss: also measure the old full gather (12 B/param)")
     p.add_argument("--max-delay", type=float, default=3.0, help="kill9: seconds after the save starts")
     p.add_argument("--layers", type=int, default=4)
