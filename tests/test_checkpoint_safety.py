@@ -1,13 +1,13 @@
 """Checkpoints that cannot run code, are never poisoned or torn, and fail in one line.
 
 Everything goes through the real trainer (``megapost.pretrain``: DeepSpeed engine, files on disk); one
-small checkpoint (ZeRO-1, 2 iterations) is saved once and copied per test.
+small checkpoint (ZeRO-1, 2 iterations) is saved once per format (megapost's sharded safetensors, and
+``--ckpt-format deepspeed`` with DeepSpeed's pickled files too) and copied per test.
 """
 
 from __future__ import annotations
 
 import errno
-import glob
 import os
 import shutil
 import signal
@@ -20,9 +20,11 @@ import torch
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
 
 from megapost.checkpoint.io import META_FILE
-from megapost.checkpoint.layout_free import write_manifest
+from megapost.checkpoint.layout_free import ShardIndex, write_manifest
 from megapost.checkpoint.safety import ALLOWED_GLOBALS, SafeCheckpointEngine, load_file, write_error
+from megapost.checkpoint.stream_write import write_safetensors
 from megapost.config.errors import ConfigError
+from megapost.utils.atomic import temp_path_for
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -53,6 +55,18 @@ def ckpt(saved, tmp_path) -> Path:
     return Path(shutil.copytree(saved, tmp_path / "ckpt"))
 
 
+@pytest.fixture(scope="module")
+def saved_ds(tiny_data, tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("ckptsafe_ds") / "ckpt"
+    pretrain(_flags(tiny_data, **{"--train-iters": 2, "--save": ckpt, "--ckpt-format": "deepspeed"}))
+    return ckpt
+
+
+@pytest.fixture
+def ckpt_ds(saved_ds, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_ds, tmp_path / "ckpt_ds"))
+
+
 def _error(argv: list[str]) -> str:
     from megapost.pretrain import main
 
@@ -68,7 +82,10 @@ def _allowed() -> set[str]:
 
 
 # ---------------------------------------------------------------------------- 1. no code on --load
-def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt, tmp_path) -> None:
+def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt_ds, tmp_path) -> None:
+    """DeepSpeed's pickled files (--ckpt-format deepspeed) go through the allowlist (megapost's own
+    format is safetensors and JSON only: nothing there can run code)."""
+    ckpt = ckpt_ds
     marker = tmp_path / "payload-ran"
     path = ckpt / "iter_0000002" / MODEL_STATES
     state = load_file(str(path))  # megapost's own files load under the allowlist
@@ -99,8 +116,8 @@ def test_resume_is_bit_exact_and_files_are_weights_only(tiny_data, tmp_path) -> 
     pretrain(_flags(tiny_data, **{"--train-iters": 4, "--tensorboard-dir": full, **extra}))
     pretrain(_flags(tiny_data, **{"--train-iters": 2, "--lr-decay-iters": 4, "--save": half / "ckpt",
                                   "--tensorboard-dir": half / "tb1", **extra}))
-    for path in glob.glob(str(half / "ckpt" / "iter_0000002" / "*.pt")):
-        assert set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) <= _allowed(), path
+    files = [p for p in (half / "ckpt" / "iter_0000002").rglob("*") if p.is_file()]
+    assert files and all(p.suffix in (".safetensors", ".json") for p in files), files  # no pickle at all
     pretrain(_flags(tiny_data, **{"--train-iters": 4, "--load": half / "ckpt",
                                   "--tensorboard-dir": half / "tb2", **extra}))
     expected = read_scalars(full, "train/lm_loss")
@@ -120,8 +137,8 @@ def test_non_finite_state_is_never_saved(tiny_data, tmp_path) -> None:
     assert last.startswith("error: not saving a non-finite training state"), proc.stderr[-2000:]
     tags = sorted(p.name for p in save.glob("iter_*"))
     for tag in tags:
-        module = load_file(str(save / tag / MODEL_STATES))["module"]
-        assert all(torch.isfinite(t).all() for t in module.values()), tag
+        weights = ShardIndex(str(save / tag)).full("fp32")
+        assert weights and all(torch.isfinite(t).all() for t in weights.values()), tag
     if tags:
         assert (save / "latest").read_text() == tags[-1] and f"{save / tags[-1]}" in last
     else:
@@ -174,6 +191,12 @@ def test_no_space_left_on_device_is_one_line(tmp_path) -> None:
     msg = str(write_error(info.value, str(target), "ckpt/iter_0000002").code)
     assert msg.startswith("error: no space left on /") and f"writing {target}" in msg
     assert msg.endswith("; the last complete checkpoint is ckpt/iter_0000002")
+    shard = tmp_path / "iter_0000004.tmp" / "shard.safetensors"  # megapost's streamed shard writer too
+    temp_path_for(shard).symlink_to("/dev/full")  # the temp file it writes before renaming
+    with pytest.raises(OSError) as info:
+        write_safetensors(str(shard), [("w", torch.ones(1 << 16))], {}, fsync=False)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(shard)
+    assert not shard.exists()
 
 
 # ---------------------------------------------------------------------------- 4. one-line errors
@@ -190,7 +213,7 @@ def test_checkpoint_of_another_model_is_refused_naming_both_shapes(tiny_data, ck
         "3 layers x 64 hidden" in msg and "--run-name" in msg
 
 
-def test_broken_checkpoint_files_are_one_line(tiny_data, ckpt) -> None:
+def test_broken_checkpoint_files_are_one_line(tiny_data, ckpt, ckpt_ds) -> None:
     flags = _flags(tiny_data, **{"--train-iters": 4, "--load": ckpt})
     meta = ckpt / "iter_0000002" / META_FILE
     good = meta.read_bytes()
@@ -198,6 +221,14 @@ def test_broken_checkpoint_files_are_one_line(tiny_data, ckpt) -> None:
     msg = _error(flags)
     assert str(meta) in msg and "truncated or not valid JSON" in msg
     meta.write_bytes(good)
+    shard = next((ckpt / "iter_0000002" / "layout_free").glob("shard-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:50_000])
+    msg = _error(flags)  # the manifest sees the wrong size before anything is read
+    assert "incomplete" in msg and f"truncated (layout_free/{shard.name})" in msg
+    shutil.rmtree(ckpt / "iter_0000002" / "layout_free")
+    assert "holds no checkpoint files" in _error(flags)
+    ckpt = ckpt_ds  # --ckpt-format deepspeed: DeepSpeed's pickled files as well
+    flags = _flags(tiny_data, **{"--train-iters": 4, "--load": ckpt})
     states = ckpt / "iter_0000002" / MODEL_STATES
     states.write_bytes(states.read_bytes()[:100_000])
     msg = _error(flags)  # the tag's manifest (layout_free/) sees the wrong size first

@@ -1,32 +1,29 @@
-"""Checkpoints through DeepSpeed's engine plus the client state needed to continue exactly.
+"""Checkpoint directories: tags, ``latest``, model shape and layout checks, load.
 
 A tag is written under ``iter_XXXXXXX.tmp`` and renamed to ``iter_XXXXXXX`` by rank 0 once every rank
-has written its files; ``latest`` is then replaced atomically. A leftover ``*.tmp`` tag (a crash during
-a save) is never named by ``latest`` and is removed by the next save. Every file is read with
-:mod:`megapost.checkpoint.safety`'s weights-only loader; the client state is pickle-free (tensors,
-numbers, strings, lists, tuples, dicts).
+has written its files (:mod:`megapost.checkpoint.saver`); ``latest`` is then replaced atomically. A
+leftover ``*.tmp`` tag (a crash during a save) is never named by ``latest`` and is removed by the next
+save. The checkpoint is megapost's sharded safetensors state (:mod:`megapost.checkpoint.sharded`,
+read by :mod:`megapost.checkpoint.layout_free`); DeepSpeed's own files, written only with
+``--ckpt-format deepspeed``, are read with :mod:`megapost.checkpoint.safety`'s weights-only loader.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import re
 import shutil
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megapost.checkpoint import layout_free
 from megapost.checkpoint import safety as checkpoint_safety
 from megapost.config.errors import ConfigError
-from megapost.utils.atomic import atomic_path, atomic_write_text
 
 META_FILE = "megapost_meta.json"
 TMP_SUFFIX = ".tmp"
@@ -145,7 +142,8 @@ def read_meta(directory: str, tag: str) -> dict[str, Any] | None:
 
 
 def check_layout(args: argparse.Namespace) -> bool:
-    """True when the checkpoint must be loaded from its layout-free state (saved at another layout).
+    """True when the checkpoint loads from megapost's sharded state (always, unless the tag also has
+    DeepSpeed's files of this layout: ``--ckpt-format deepspeed``).
     Refuses another model shape, a partial checkpoint, another layout when the tag has no layout-free
     state, and unreadable ``latest``/meta/``.pt`` files — on every rank alike, before any group forms."""
     tag = latest_tag(args.load)
@@ -157,6 +155,8 @@ def check_layout(args: argparse.Namespace) -> bool:
                           "checkpoint of this model, or change the model flags to match it")
     tag_dir = os.path.join(args.load, tag)
     if layout_free.check_complete(tag_dir):
+        if not _has_deepspeed_files(tag_dir):
+            return True
         header, _ = layout_free.read_state(tag_dir)
         if header["layout"] != layout_free.layout_of(args):
             return True
@@ -199,21 +199,7 @@ def check_save_dir(args: argparse.Namespace) -> None:
                           "--save (or --run-name) for this run")
 
 
-# ---- saving -------------------------------------------------------------------------------------
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _fsync_dir(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
+# ---- saving (checkpoint.saver) -----------------------------------------------------------------
 def remove_temp_tags(directory: str) -> None:
     """Delete ``*.tmp`` tags left by a save that never completed."""
     if not os.path.isdir(directory):
@@ -227,68 +213,54 @@ def remove_temp_tags(directory: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _publish(directory: str, tmp_tag: str, tag: str) -> None:
-    """Rank 0: the complete temp tag takes the final name, then ``latest`` names it (both atomic)."""
-    final, old = os.path.join(directory, tag), os.path.join(directory, f"{tag}.old{TMP_SUFFIX}")
-    if os.path.exists(final):  # the same iteration saved again: move the old copy aside first
-        os.replace(final, old)
-    os.replace(os.path.join(directory, tmp_tag), final)
-    _fsync_dir(directory)
-    atomic_write_text(os.path.join(directory, "latest"), tag)
-    _fsync_dir(directory)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
-         plugin_states: dict[str, Any], pstate: Any, write_extra: Callable[[str], None] | None = None) -> str:
-    """Save tag ``iter_XXXXXXX`` (via a ``.tmp`` name): DeepSpeed's files (same-layout resume) plus
-    megapost's layout-free state (``checkpoint.layout_free``); ``latest`` moves only once both are complete.
+         plugin_states: dict[str, Any], pstate: Any) -> str:
+    """Save tag ``iter_XXXXXXX`` (:func:`megapost.checkpoint.saver.save`)."""
+    from megapost.checkpoint import saver
 
-    ``write_extra(temp_tag_dir)``, when given, runs on every rank after those are written and before
-    the tag is published: more files of the same tag go there."""
-    tag = f"iter_{iteration:07d}"
-    tmp_tag = tag + TMP_SUFFIX
-    previous = last_complete(args.save)
-    client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": rng_state(),
-              "plugins": plugin_states,
-              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
-    rank0 = engine.global_rank == 0
-    try:
-        if rank0:
-            remove_temp_tags(args.save)
-        _barrier()
-        if rank0:
-            meta = {"tag": tag, "iteration": iteration, **_layout(args),
-                    "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage,
-                    "model": model_shape(args)}
-            with atomic_path(os.path.join(args.save, tmp_tag, META_FILE)) as tmp, open(tmp, "w") as f:
-                json.dump(meta, f)
-        engine.save_checkpoint(args.save, tag=tmp_tag, client_state=client, save_latest=False)
-        layout_free.save_layout_free(engine, pstate, os.path.join(args.save, tmp_tag), args, client)
-        if write_extra is not None:
-            write_extra(os.path.join(args.save, tmp_tag))
-        _barrier()
-        if rank0:
-            _publish(args.save, tmp_tag, tag)
-    except OSError as e:
-        error = checkpoint_safety.write_error(e, os.path.join(args.save, tmp_tag), previous)
-        if error is None:
-            raise
-        raise error from None
-    _barrier()
-    return tag
+    return saver.save(engine, args, iteration, consumed, plugin_states, pstate)
+
+
+def wait_for_saves(raise_errors: bool = True) -> None:
+    """Wait for a background (``--async-save``) save of this rank to finish."""
+    from megapost.checkpoint import saver
+
+    saver.wait_pending(raise_errors)
+
+
+def _has_deepspeed_files(tag_dir: str) -> bool:
+    return any(n.endswith(".pt") for n in os.listdir(tag_dir))
 
 
 def load(engine: Any, args: argparse.Namespace, pstate: Any) -> tuple[int, int, dict[str, Any]]:
-    """Returns (iteration, consumed samples, plugin states) and restores RNG. The same layout loads
-    DeepSpeed's files; another layout loads the layout-free state."""
+    """Returns (iteration, consumed samples, plugin states) and restores RNG, with Megatron's
+    ``--finetune`` (weights only; iteration, samples, optimizer, scheduler, RNG start fresh),
+    ``--no-load-optim`` (no optimizer or scheduler state) and ``--no-load-rng``. A tag with DeepSpeed's
+    files at this layout loads through DeepSpeed; every other tag from megapost's sharded state."""
     tag = latest_tag(args.load)
+    finetune = getattr(args, "finetune", False)
+    optim = not (finetune or getattr(args, "no_load_optim", False))
     if check_layout(args):
-        client = layout_free.load_layout_free(engine, pstate, os.path.join(args.load, tag))
+        client = layout_free.load_layout_free(engine, pstate, os.path.join(args.load, tag), optimizer=optim,
+                                              counters=not finetune)
+    else:
+        client = _load_deepspeed(engine, args, tag, optim, finetune)
+    if not (finetune or getattr(args, "no_load_rng", False)):
         set_rng_state(client["rng"])
-        return int(client["iteration"]), int(client["consumed_train_samples"]), client.get("plugins", {})
+    if finetune:
+        return 0, 0, {}
+    return int(client["iteration"]), int(client["consumed_train_samples"]), client.get("plugins", {})
+
+
+def _load_deepspeed(engine: Any, args: argparse.Namespace, tag: str, optim: bool,
+                    finetune: bool) -> dict[str, Any]:
+    tag_dir = os.path.join(args.load, tag)
+    if not _has_deepspeed_files(tag_dir):
+        raise ConfigError(f"--load {tag_dir}: the tag holds no checkpoint files (neither {layout_free.DIR}/ "
+                          "nor DeepSpeed's *.pt); load another tag (write its name into 'latest')")
     try:
-        path, client = engine.load_checkpoint(args.load, tag=tag)
+        path, client = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=optim,
+                                              load_lr_scheduler_states=optim, load_module_only=finetune)
     except RuntimeError as e:  # e.g. a pre-metadata checkpoint of another shape: size mismatch
         if "state_dict" not in str(e) and "size mismatch" not in str(e):
             raise
@@ -297,5 +269,6 @@ def load(engine: Any, args: argparse.Namespace, pstate: Any) -> tuple[int, int, 
                           "load a checkpoint of this model, or change the model flags to match it") from None
     if path is None or client is None:
         raise ConfigError(f"--load {args.load}: DeepSpeed could not load a checkpoint there")
-    set_rng_state(client["rng"])
-    return int(client["iteration"]), int(client["consumed_train_samples"]), client.get("plugins", {})
+    if finetune:
+        engine.global_steps = engine.global_samples = engine.skipped_steps = 0
+    return client

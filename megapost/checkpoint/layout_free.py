@@ -1,35 +1,32 @@
-"""megapost's layout-free checkpoint, written beside DeepSpeed's files inside every tag directory.
+"""Reading megapost's checkpoint: ``<tag>/layout_free/`` holds safetensors files only (no pickle,
+nothing in them can run code); it is the checkpoint (DeepSpeed's own files only with
+``--ckpt-format deepspeed``).
 
-``<tag>/layout_free/`` holds safetensors files only (no pickle, nothing in them can run code):
-
-* ``shard-tpTT-ppPP.safetensors``, one per (tensor rank, pipeline stage), written by its data-parallel
-  rank 0: that rank's shard of every parameter it owns, under the single-process ``LlamaModel`` name,
-  as fp32 master weights (``fp32/<name>``) and Adam moments (``exp_avg/<name>``, ``exp_avg_sq/<name>``),
-  full over data parallelism. The header metadata ``megapost`` (JSON) gives, per name, the full shape,
-  the split dimension (``null``: replicated, e.g. norm gains) and this shard's offset along it.
+* Format 2 (``checkpoint.sharded`` writes it): ``shard-tpTT-ppPP-dpDD.safetensors``, one per rank, the
+  flat fragments of fp32 masters and Adam moments that rank owns, with full shape, TP split and
+  fragment (start, numel) per name in the header metadata ``megapost``. Format 1 (older tags):
+  ``shard-tpTT-ppPP.safetensors`` per (TP, PP) rank, full over data parallelism.
 * ``state.safetensors``: the Adam step, scheduler, iteration, consumed samples, engine counters, RNG,
-  plugin state (tensors inside it stored as tensors), the model config and the saving layout, in the
-  header metadata ``megapost``; written by the logging (last) rank.
+  plugin state, the model config and the saving layout; written by the logging (last) rank.
 * ``manifest.json``: every file of the tag directory with its size, written last by rank 0, so a tag
   that lost a rank's files is refused before anything is read.
 
-Loading at another layout (any TP, PP, DP, ZeRO stage, bf16 or sequence-parallel change) reads only
-the slices this rank needs (``safe_open(...).get_slice``) and sets weights, fp32 masters and Adam state
-through DeepSpeed's ``safe_set_full_*`` (ZeRO 1/2, bf16 optimizer) or the torch optimizer's state.
+Loading at any layout (any TP, PP, DP, ZeRO stage, bf16 or sequence-parallel change) reassembles only
+the pieces this rank needs and sets weights, fp32 masters and Adam state through DeepSpeed's
+``safe_set_full_*`` (ZeRO 1/2, bf16 optimizer) or the torch optimizer's state.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from megapost.config.errors import ConfigError
@@ -96,23 +93,6 @@ def _adam_step(engine: Any) -> int | None:
 def _is_mapped(p: nn.Parameter) -> bool:
     """Held by a DeepSpeed mixed-precision/ZeRO optimizer (fp32 master in its flat partitions)."""
     return hasattr(p, "_hp_mapping")
-
-
-def _full_over_dp(engine: Any, p: nn.Parameter, has_state: bool) -> dict[str, torch.Tensor]:
-    """fp32 master and Adam moments of ``p`` (this TP rank's shard, full over DP). Collective over DP
-    under ZeRO: every rank calls it for every parameter in the same order."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if _is_mapped(p):
-        out = {"fp32": safe_get_full_fp32_param(p)}
-        if has_state:
-            out.update({k: safe_get_full_optimizer_state(p, k) for k in MOMENTS})
-    else:
-        out = {"fp32": p.detach()}
-        state = _base_optimizer(engine).state.get(p, {})
-        if has_state:
-            out.update({k: state[k] for k in MOMENTS})
-    return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
 
 
 def _create_adam_state(engine: Any, step: int) -> None:
@@ -197,49 +177,6 @@ def layout_of(args: Any) -> dict[str, Any]:
             "sequence_parallel": bool(args.sequence_parallel)}
 
 
-def save_layout_free(engine: Any, pstate: Any, tag_dir: str, args: Any, client: dict[str, Any]) -> None:
-    """Write ``tag_dir/layout_free/`` (collective: call on every rank, after DeepSpeed's save)."""
-    cfg: ModelConfig = engine.module.config
-    out = os.path.join(tag_dir, DIR)
-    shapes = full_shapes(cfg)
-    params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
-    step = _adam_step(engine)
-    if step is not None:
-        _link_state(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {}
-    for name, p in params.items():
-        values = _full_over_dp(engine, p, step is not None)
-        dim, offset = split_of(tuple(p.shape), shapes[name], pstate.tp_rank, pstate.tp_size, name)
-        meta[name] = {"shape": list(shapes[name]), "dim": dim, "offset": offset}
-        for kind, value in values.items():
-            tensors[f"{kind}/{name}"] = value
-    if pstate.dp_rank == 0:
-        header = {"format": FORMAT, "tp_rank": pstate.tp_rank, "pp_rank": pstate.pp_rank, "params": meta}
-        with atomic_path(os.path.join(out, shard_file(pstate.tp_rank, pstate.pp_rank))) as tmp:
-            save_file(tensors, str(tmp), metadata={"megapost": json.dumps(header)})
-    if pstate.is_logging_rank:
-        state_tensors: dict[str, torch.Tensor] = {}
-        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        header = {
-            "format": FORMAT, "iteration": client["iteration"],
-            "consumed_train_samples": client["consumed_train_samples"], "adam_step": step,
-            "scheduler": scheduler, "model_config": asdict(cfg), "layout": layout_of(args),
-            "args": client.get("args", {}),
-            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                       "skipped_steps": engine.skipped_steps},
-            "shards": [shard_file(t, p) for p in range(pstate.pp_size) for t in range(pstate.tp_size)],
-            "rng": _encode(client["rng"], state_tensors, "rng"),
-            "plugins": _encode(client["plugins"], state_tensors, "plugins"),
-        }
-        with atomic_path(os.path.join(out, STATE)) as tmp:
-            save_file(state_tensors, str(tmp), metadata={"megapost": json.dumps(header)})
-    if dist.is_initialized():
-        dist.barrier()
-    if pstate.global_rank == 0:
-        write_manifest(tag_dir)
-
-
 def write_manifest(tag_dir: str) -> None:
     """Every file under ``tag_dir`` (relative path -> size); written last."""
     files = {}
@@ -285,60 +222,90 @@ def read_state(tag_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return header, tensors
 
 
+@dataclass
+class Piece:
+    """One TP piece of a parameter: its split, local shape, and the files holding its flat fragments."""
+
+    dim: int | None
+    offset: int
+    local: tuple[int, ...]
+    tp_rank: int
+    frags: list[tuple[str, int, int]] = field(default_factory=list)  # (path, start, numel)
+
+
 class ShardIndex:
-    """Where each slice of each full parameter lives among the shard files of one tag."""
+    """Where each slice of each full parameter lives among the shard files of one tag (format 1: one
+    file per (TP, PP) rank, full over DP; format 2: one per rank, its ZeRO fragments)."""
 
     def __init__(self, tag_dir: str) -> None:
         header, _ = read_state(tag_dir)
         self.header = header
         self.paths = [os.path.join(tag_dir, DIR, name) for name in header["shards"]]
-        self.pieces: dict[str, list[tuple[str, int | None, int]]] = {}
+        self.pieces: dict[str, dict[int, Piece]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._files: dict[str, Any] = {}
         for path in self.paths:
-            with safe_open(path, framework="pt") as f:
-                meta = json.loads(f.metadata()["megapost"])["params"]
-            for name, m in meta.items():
+            head = json.loads(self._open(path).metadata()["megapost"])
+            for name, m in head["params"].items():
                 self.shapes[name] = tuple(m["shape"])
-                self.pieces.setdefault(name, []).append((path, m["dim"], m["offset"]))
+                local = tuple(m["local"]) if "local" in m else \
+                    tuple(self._open(path).get_slice(f"fp32/{name}").get_shape())
+                piece = self.pieces.setdefault(name, {}).setdefault(
+                    m["offset"], Piece(m["dim"], m["offset"], local, head["tp_rank"]))
+                if piece.tp_rank == head["tp_rank"]:  # a piece replicated over TP ranks: read one copy
+                    numel = m.get("numel", math.prod(local))
+                    piece.frags.append((path, m.get("start", 0), numel))
+
+    def _open(self, path: str) -> Any:
+        if path not in self._files:
+            self._files[path] = safe_open(path, framework="pt")
+        return self._files[path]
+
+    def rank_header(self, tp_rank: int, pp_rank: int, dp_rank: int) -> dict[str, Any] | None:
+        """The header of one rank's shard file (format 2), None when the tag has none for it."""
+        path = os.path.join(os.path.dirname(self.paths[0]), shard_file_v2(tp_rank, pp_rank, dp_rank))
+        return json.loads(self._open(path).metadata()["megapost"]) if path in self.paths else None
+
+    def get(self, path: str, key: str) -> torch.Tensor:
+        return self._open(path).get_tensor(key)
+
+    def _assemble(self, kind: str, name: str, piece: Piece) -> torch.Tensor:
+        numel = math.prod(piece.local)
+        parts = sorted((start, n, path) for path, start, n in piece.frags)
+        if sum(n for _, n, _ in parts) != numel:
+            raise ConfigError(f"{name}: the checkpoint's shards hold {sum(n for _, n, _ in parts)} of its "
+                              f"{numel} values (TP offset {piece.offset}); is a shard file missing?")
+        if len(parts) == 1:
+            return self.get(parts[0][2], f"{kind}/{name}").reshape(piece.local)
+        return torch.cat([self.get(path, f"{kind}/{name}").reshape(-1) for _, _, path in parts]
+                         ).reshape(piece.local)
 
     def read(self, kind: str, name: str, dim: int | None = None, start: int = 0,
              stop: int | None = None) -> torch.Tensor:
         """``kind/name`` restricted to ``[start, stop)`` along ``dim`` (None: the full tensor)."""
         full = self.shapes[name]
+        pieces = sorted(self.pieces[name].values(), key=lambda p: p.offset)
+        sdim = pieces[0].dim
         if dim is None:
             dim, start, stop = 0, 0, full[0] if full else 0
         stop = full[dim] if stop is None else stop
-        parts = []
-        seen: set[tuple[int, int]] = set()
-        for path, sdim, offset in sorted(self.pieces[name], key=lambda x: x[2]):
-            with safe_open(path, framework="pt") as f:
-                sl = f.get_slice(f"{kind}/{name}")
-                shape = tuple(sl.get_shape())
-                if sdim is None:  # replicated: this file holds the whole tensor
-                    index = [slice(None)] * len(full)
-                    index[dim] = slice(start, stop)
-                    return sl[tuple(index)] if full else sl[:]
-                lo, hi = offset, offset + shape[sdim]
-                if sdim != dim:  # another split axis than the one asked for: assemble whole, then cut
-                    whole = self.read(kind, name, sdim, 0, full[sdim])
-                    return whole.narrow(dim, start, stop - start)
-                a, b = max(lo, start), min(hi, stop)
-                if a >= b or (a, b) in seen:
-                    continue
-                seen.add((a, b))
-                index = [slice(None)] * len(full)
-                index[dim] = slice(a - lo, b - lo)
-                parts.append((a, sl[tuple(index)]))
-        out = torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])], dim=dim)
-        if out.shape[dim] != stop - start:
-            raise ConfigError(f"{name}: the checkpoint's shards cover {out.shape[dim]} of rows "
-                              f"{start}..{stop} along dim {dim}; is a shard file missing?")
-        return out
+        if sdim is None:  # replicated: any piece is the whole tensor
+            whole = self._assemble(kind, name, pieces[0])
+            return whole.narrow(dim, start, stop - start) if full else whole
+        lo, hi = (start, stop) if sdim == dim else (0, full[sdim])
+        parts = [(p.offset, self._assemble(kind, name, p)) for p in pieces
+                 if p.offset < hi and p.offset + p.local[sdim] > lo]
+        covered = sum(min(hi, o + t.shape[sdim]) - max(lo, o) for o, t in parts)
+        if covered != hi - lo:
+            raise ConfigError(f"{name}: the checkpoint's shards cover {covered} of rows {lo}..{hi} along dim "
+                              f"{sdim}; is a shard file missing?")
+        cut = [t.narrow(sdim, max(lo, o) - o, min(hi, o + t.shape[sdim]) - max(lo, o)) for o, t in parts]
+        out = torch.cat(cut, dim=sdim) if len(cut) > 1 else cut[0]
+        return out if sdim == dim else out.narrow(dim, start, stop - start)
 
     def full(self, kind: str = "fp32") -> dict[str, torch.Tensor]:
         """Every full parameter (e.g. for export); only rows and columns once."""
         return {name: self.read(kind, name) for name in self.shapes}
-
 
 # ----------------------------------------------------------------------------- load
 
@@ -355,9 +322,12 @@ def set_local_params(engine: Any, pstate: Any, params: dict[str, nn.Parameter], 
         _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in kinds}, has_state)
 
 
-def load_layout_free(engine: Any, pstate: Any, tag_dir: str) -> dict[str, Any]:
-    """Set this rank's weights, optimizer, scheduler, counters and RNG from ``tag_dir``'s layout-free
-    state; returns the client state (iteration, consumed samples, plugins, rng)."""
+def load_layout_free(engine: Any, pstate: Any, tag_dir: str, optimizer: bool = True,
+                     counters: bool = True) -> dict[str, Any]:
+    """Set this rank's weights and fp32 masters — and, with ``optimizer``, Adam state and scheduler;
+    with ``counters``, DeepSpeed's step counters — from ``tag_dir``. Returns the client state
+    (iteration, consumed samples, plugins, rng: this rank's own when the tag was saved at this layout
+    in format 2, else the logging rank's)."""
     index = ShardIndex(tag_dir)
     header = index.header
     _, state_tensors = read_state(tag_dir)
@@ -368,16 +338,38 @@ def load_layout_free(engine: Any, pstate: Any, tag_dir: str) -> dict[str, Any]:
         name = next(iter(ours), next(iter(set(index.shapes) - set(shapes)), "?"))
         raise ConfigError(f"--load {tag_dir}: parameter {name} is {index.shapes.get(name)} in the checkpoint "
                           f"but {shapes.get(name)} in this model; use the model flags it was saved with")
-    step = header["adam_step"]
+    step = header["adam_step"] if optimizer else None
     if step is not None:
         _create_adam_state(engine, step)
     params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
     set_local_params(engine, pstate, params, index.read, has_state=step is not None)
-    if header["scheduler"] is not None and engine.lr_scheduler is not None:
+    if optimizer and header["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(header["scheduler"])
-    counters = header["engine"]
-    engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
-    engine.skipped_steps = counters["skipped_steps"]
+    if counters:
+        saved = header["engine"]
+        engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
+        engine.skipped_steps = saved["skipped_steps"]
+    rng = _decode(header["rng"], state_tensors)
+    own = index.rank_header(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
+    layout = header["layout"]
+    if own is not None and (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
+                            layout["data_parallel_size"]) == (pstate.tp_size, pstate.pp_size, pstate.dp_size):
+        path = os.path.join(tag_dir, DIR, shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
+        rng = _decode(own["rng"], _RankTensors(index, path))
     return {"iteration": header["iteration"], "consumed_train_samples": header["consumed_train_samples"],
-            "rng": _decode(header["rng"], state_tensors),
-            "plugins": _decode(header["plugins"], state_tensors)}
+            "rng": rng, "plugins": _decode(header["plugins"], state_tensors)}
+
+
+def shard_file_v2(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"shard-tp{tp_rank:02d}-pp{pp_rank:02d}-dp{dp_rank:02d}.safetensors"
+
+
+class _RankTensors(dict):
+    """The tensors of one shard file, read on lookup (``_decode`` asks only for the RNG's)."""
+
+    def __init__(self, index: ShardIndex, path: str) -> None:
+        super().__init__()
+        self.index, self.path = index, path
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        return self.index.get(self.path, key)

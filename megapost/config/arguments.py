@@ -224,6 +224,9 @@ def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser
     from megapost.config.megatron_flags import add_megatron_arguments
 
     add_megatron_arguments(p)
+    from megapost.config.checkpoint_flags import add_checkpoint_arguments
+
+    add_checkpoint_arguments(p)
     for cls in plugin_classes:
         cls.add_arguments(p)
     return p
@@ -255,6 +258,9 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
 
     implied = [resolve_norm_position(args, argv), typed_init_wins(args)]
     args.megatron_notes = [n for n in implied if n] + apply_megatron_arguments(args)
+    from megapost.config.checkpoint_flags import check_checkpoint_arguments
+
+    args.megatron_notes += check_checkpoint_arguments(args)
     return args
 
 

@@ -38,7 +38,6 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "normalization": (("RMSNorm",), "megapost's norms are RMSNorm (--normalization RMSNorm)"),
     "position_embedding_type": (("rope",), "megapost uses RoPE (--position-embedding-type rope)"),
     "transformer_impl": (("local", "transformer_engine"), "megapost's own torch implementation"),
-    "ckpt_format": (("torch", "torch_dist"), "DeepSpeed checkpoints plus megapost's layout-free state"),
 }
 
 # Megatron flags whose (checked) values mean what megapost does anyway; listed at start-up when typed.

@@ -42,7 +42,12 @@ class CheckpointManager:
                                        self.args.save, self.device)
         tag = checkpoint_io.save(self.engine, self.args, st.iteration, st.consumed_samples,
                                  self.host.states(), self.pstate)
-        self.monitor.line(f" saved checkpoint {self.args.save}/{tag}")
+        done = "saving checkpoint (in the background)" if self.args.async_save else "saved checkpoint"
+        self.monitor.line(f" {done} {self.args.save}/{tag}")
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Until this rank's background (--async-save) write is complete."""
+        checkpoint_io.wait_for_saves(raise_errors)
 
     def continue_logs(self, iteration: int, consumed: int) -> None:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's

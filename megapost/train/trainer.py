@@ -110,8 +110,12 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Run the loop under the watchdog (a hung or dead rank ends it with a CollectiveFailure)."""
-        return self.watchdog.run(self._train, lambda: self.state.iteration)
+        """Run the loop under the watchdog (a hung or dead rank ends it with a CollectiveFailure); an
+        interrupt or error still lets a background (--async-save) write complete."""
+        try:
+            return self.watchdog.run(self._train, lambda: self.state.iteration)
+        finally:
+            self.checkpoints.wait(raise_errors=False)
 
     def _step(self, history: dict[str, Any]) -> str | None:
         """One iteration: step, record, log, evaluate, save, plugins; returns why to stop (or None)."""
@@ -156,6 +160,7 @@ class Trainer:
             self.evaluator.validate(st.iteration, history)
         if ckpt.save and (not ckpt.save_interval or st.iteration % ckpt.save_interval):
             self.save()
+        self.checkpoints.wait()  # the end of training waits for a background save
         if exit_reason:
             self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
                               f"{last_checkpoint(ckpt.save)}; resume with: {resume_command(self.args)}")

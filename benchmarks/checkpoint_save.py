@@ -1,0 +1,293 @@
+"""What a save costs, measured on megapost's real trainer (``megapost.pretrain``, DeepSpeed engine,
+the embedded corpus in $MEGAPOST_DATA_DIR):
+
+* ``bytes``: bytes written per save / training-state bytes, per --ckpt-format (megapost, deepspeed).
+* ``rss``: peak host RSS growth of each rank during a synchronous save (psutil, sampled every 2 ms),
+  / that rank's shard bytes — ZeRO-2 at DP4 by default — and, for comparison, the growth of gathering
+  the full fp32 state on every rank (what the layout-free copy did before: ``safe_get_full_*``).
+* ``kill9``: kill -9 at random moments of an async save; resume bit-exact from what 'latest' names.
+* ``async``: training time lost per ``--async-save`` save / the synchronous save's wall time. Lost =
+  the time save() blocks + how much the steps overlapping the background write exceed the median
+  step outside any write.
+
+    nice python benchmarks/checkpoint_save.py bytes
+    nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
+    nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768
+    nice python benchmarks/checkpoint_save.py kill9 --iters 8 --trials 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.environ.get("MEGAPOST_DATA_DIR", "/work/data")
+
+
+def _flags(a: argparse.Namespace, save: str, iters: int, extra: list[str]) -> list[str]:
+    return ["--data-path", f"{DATA}/news_text_document", "--tokenizer-model", f"{DATA}/tokenizer.model",
+            "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--ffn-hidden-size",
+            str(a.hidden * 8 // 3 // 64 * 64), "--num-attention-heads", str(max(1, a.hidden // 64)),
+            "--seq-length", str(a.seq), "--micro-batch-size", "1", "--global-batch-size", str(a.dp),
+            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "0",
+            "--log-interval", "1", "--save", save, "--allow-tokenizer-mismatch", *extra]
+
+
+class Sampler(threading.Thread):
+    def __init__(self) -> None:
+        import psutil
+
+        super().__init__(daemon=True)
+        self.proc, self.peak, self.running = psutil.Process(), 0, True
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return self.peak
+
+
+def _old_gather(engine) -> None:
+    """What the layout-free copy did before: the full fp32 master and moments of every parameter."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    held = [(safe_get_full_fp32_param(p).float().cpu(), safe_get_full_optimizer_state(p, "exp_avg").cpu(),
+             safe_get_full_optimizer_state(p, "exp_avg_sq").cpu()) for p in engine.module.parameters()]
+    del held
+
+
+def _child_rss(out: str, flags: list[str]) -> None:
+    """Inside each rank: measure the save (and the old gather) with a psutil sampler."""
+    import psutil
+
+    from megapost import pretrain
+    from megapost.checkpoint import saver
+
+    real = saver.save
+
+    def measured(engine, args, iteration, consumed, plugins, pstate):
+        from megapost.checkpoint import layout_free as lf
+
+        lf._link_state(engine)
+        base = psutil.Process().memory_info().rss
+        s = Sampler()
+        s.start()
+        if os.environ.get("CKPT_BENCH_OLD") == "1":
+            _old_gather(engine)
+        old_peak = s.stop()
+        base2 = psutil.Process().memory_info().rss
+        s = Sampler()
+        s.start()
+        t0 = time.perf_counter()
+        tag = real(engine, args, iteration, consumed, plugins, pstate)
+        written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
+        seconds = time.perf_counter() - t0
+        peak = s.stop()
+        rank = pstate.global_rank
+        from megapost.checkpoint.layout_free import shard_file_v2
+
+        shard = os.path.join(args.save, tag, "layout_free",
+                             shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
+        nbytes = written or os.path.getsize(shard)  # async: rank 0 may not have published the tag yet
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "shard_bytes": nbytes, "rss_before": base2, "save_growth": peak - base2,
+                       "old_growth": old_peak - base, "save_s": seconds}, f)
+        return tag
+
+    saver.save = measured
+    pretrain.main(flags)
+
+
+def rss(a: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="ckpt-rss-")
+    ds = os.path.join(work, "ds.json")
+    with open(ds, "w") as f:  # DeepSpeed's default 5e8-element buckets are 2 GB a rank: keep the host small
+        json.dump({"zero_optimization": {"reduce_bucket_size": 2e7, "allgather_bucket_size": 2e7}}, f)
+    flags = _flags(a, os.path.join(work, "ckpt"), a.iters, ["--zero-stage", str(a.zero), "--save-interval",
+                                                             str(a.iters), "--deepspeed_config", ds,
+                                                             *(["--async-save"] if a.async_save else [])])
+    cmd = ["deepspeed", "--num_gpus", str(a.dp), "--master_port", str(29700 + os.getpid() % 200),
+           __file__, "child-rss", "--out", work, "--", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CKPT_BENCH_OLD="1" if a.old else "0")
+    subprocess.run(cmd, cwd=REPO, check=True, env=env)
+    for path in sorted(glob.glob(os.path.join(work, "rank*.json"))):
+        r = json.load(open(path))
+        print(f"rank {r['rank']}: shard {r['shard_bytes'] / 1e6:.0f} MB, save {r['save_s']:.1f} s, "
+              f"peak RSS growth during save {r['save_growth'] / 1e6:.1f} MB = "
+              f"{r['save_growth'] / r['shard_bytes']:.3f} x shard (shard + growth: "
+              f"{(r['shard_bytes'] + r['save_growth']) / r['shard_bytes']:.3f}); old full gather: "
+              f"{r['old_growth'] / 1e6:.0f} MB = {r['old_growth'] / r['shard_bytes']:.2f} x shard")
+
+
+def _child_async(out: str, flags: list[str]) -> None:
+    from megapost import pretrain
+    from megapost.checkpoint import saver
+    from megapost.train.trainer import Trainer
+
+    events: dict[str, list] = {"steps": [], "saves": []}
+    real_step, real_save = Trainer.train_step, saver.save
+
+    def step(self, n):
+        t0 = time.perf_counter()
+        loss = real_step(self, n)
+        events["steps"].append((n, t0, time.perf_counter()))
+        return loss
+
+    def save(*args, **kw):
+        t0 = time.perf_counter()
+        tag = real_save(*args, **kw)
+        t1 = time.perf_counter()
+        job = saver._pending
+        events["saves"].append([t0, t1, job])
+        return tag
+
+    Trainer.train_step, saver.save = step, save
+    pretrain.main(flags)
+    saves = []
+    for t0, t1, job in events["saves"]:
+        end, cpu = t1, 0.0
+        if job is not None:
+            job.thread.join()
+            end, cpu = job.done_at, job.cpu_s
+        saves.append((t0, t1, end, cpu))
+    json.dump({"steps": events["steps"], "saves": saves}, open(os.path.join(out, "events.json"), "w"))
+
+
+def _lost(events: dict) -> tuple[list[float], list[float]]:
+    """(blocking seconds, total lost seconds) per save before the last step."""
+    steps, saves = events["steps"], events["saves"][:-1]
+    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e, _ in saves) for _, a, b in steps]
+    base = statistics.median(b - a for (_, a, b), x in zip(steps, inside, strict=True) if not x)
+    blocking, lost = [], []
+    for s0, s1, e, _ in saves:
+        over = [b - a - base for _, a, b in steps if a >= s1 and a <= e]
+        blocking.append(s1 - s0)
+        lost.append(s1 - s0 + max(0.0, sum(over)))
+    return blocking, lost
+
+
+def async_(a: argparse.Namespace) -> None:
+    res = {}
+    for mode in ("sync", "async"):
+        work = tempfile.mkdtemp(prefix=f"ckpt-{mode}-")
+        extra = ["--save-interval", str(a.interval)] + (["--async-save"] if mode == "async" else [])
+        flags = _flags(a, os.path.join(work, "ckpt"), a.iters, extra)
+        subprocess.run([sys.executable, __file__, "child-async", "--out", work, "--", *flags], cwd=REPO,
+                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+        events = json.load(open(os.path.join(work, "events.json")))
+        res[mode] = _lost(events)
+        if mode == "async":
+            cpu = statistics.mean(c for *_, c in events["saves"][:-1])
+            wall = statistics.mean(e - s1 for _, s1, e, _ in events["saves"][:-1])
+            print(f"async background write: {wall:.2f} s wall, {cpu:.2f} s CPU of its thread per save")
+    sync_wall = statistics.mean(res["sync"][0])
+    blocking, lost = (statistics.mean(x) for x in res["async"])
+    print(f"sync save wall {sync_wall:.2f} s; async: save() blocks {blocking:.3f} s, training time lost per "
+          f"save {lost:.3f} s; lost / sync wall = {lost / sync_wall:.3f} (blocking only: "
+          f"{blocking / sync_wall:.3f})")
+
+
+def bytes_(a: argparse.Namespace) -> None:
+    from megapost.checkpoint.layout_free import ShardIndex
+
+    for fmt in ("megapost", "deepspeed"):
+        work = tempfile.mkdtemp(prefix=f"ckpt-bytes-{fmt}-")
+        flags = _flags(a, os.path.join(work, "ckpt"), 1, ["--ckpt-format", fmt, "--zero-stage", "1"])
+        subprocess.run([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+        tag = os.path.join(work, "ckpt", "iter_0000001")
+        n = sum(math.prod(s) for s in ShardIndex(tag).shapes.values())
+        written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tag) for f in fs)
+        print(f"--ckpt-format {fmt}: {written / 1e6:.1f} MB written; training state (fp32 weights + "
+              f"2 moments, {n / 1e6:.1f}M params) {12 * n / 1e6:.1f} MB; ratio {written / (12 * n):.4f}")
+
+
+def _scalars(tb: str, tag: str = "train/lm_loss") -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+
+
+def kill9(a: argparse.Namespace) -> None:
+    """Trials: kill -9 at a random moment after the async save of iteration 4 starts; 'latest' must
+    name a complete tag (2, or 4 when the write had finished), and resuming from it must give the
+    losses of an uninterrupted run bit for bit."""
+    import random
+    import signal
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    work = tempfile.mkdtemp(prefix="ckpt-kill9-")
+    ref_tb = os.path.join(work, "ref")
+    flags = _flags(a, os.path.join(work, "unused"), a.iters,
+                   ["--tensorboard-dir", ref_tb, "--save-interval", "0"])
+    subprocess.run([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref = _scalars(ref_tb)
+    rng = random.Random(0)
+    for trial in range(a.trials):
+        ckpt = os.path.join(work, f"ckpt{trial}")
+        flags = _flags(a, ckpt, a.iters, ["--save-interval", "2", "--async-save"])
+        proc = subprocess.Popen([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp")) and proc.poll() is None:
+            time.sleep(0.01)
+        delay = rng.uniform(0, a.max_delay)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = open(os.path.join(ckpt, "latest")).read().strip()
+        tb = os.path.join(work, f"tb{trial}")
+        subprocess.run([sys.executable, "-m", "megapost.pretrain", *_flags(a, ckpt, a.iters, [
+            "--load", ckpt, "--tensorboard-dir", tb])], cwd=REPO, env=env, check=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        resumed = _scalars(tb)
+        exact = bool(resumed) and all(resumed[s] == ref[s] for s in resumed)
+        print(f"trial {trial}: killed {delay:.2f} s after iter_0000004.tmp appeared; latest {latest}; "
+              f"resumed steps {min(resumed)}..{max(resumed)} bit-exact vs uninterrupted: {exact}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["bytes", "rss", "async", "kill9", "child-rss", "child-async"])
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--async-save", action="store_true", help="rss: measure an --async-save save")
+    p.add_argument("--old", action="store_true", help="rss: also measure the old full gather (12 B/param)")
+    p.add_argument("--max-delay", type=float, default=3.0, help="kill9: seconds after the save starts")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--interval", type=int, default=3)
+    p.add_argument("--out")
+    p.add_argument("--local_rank", type=int, help="set by DeepSpeed's launcher")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, rest = p.parse_args(argv[:cut]), argv[cut + 1:]  # after "--": the trainer's flags (children)
+    if a.what == "child-rss":
+        _child_rss(a.out, rest)
+    elif a.what == "child-async":
+        _child_async(a.out, rest)
+    else:
+        {"bytes": bytes_, "rss": rss, "async": async_, "kill9": kill9}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Saving a tag: every rank writes only its own files, in the foreground or (``--async-save``) in a
+background thread; global rank 0 publishes the tag once every rank's files are there.
+
+A tag is written under ``iter_XXXXXXX.tmp``. Each rank's file appears under its final name only when
+complete (temp name, then rename), so rank 0 knows the tag is whole by seeing every expected file —
+no collective runs in the background, none is needed to finish a save. Rank 0 then writes the
+manifest, renames the tag, replaces ``latest`` (both atomic) and applies ``--save-retain``. A rank
+whose write fails leaves ``layout_free/.failed-rankN`` (its error) so rank 0 stops waiting; a killed
+rank leaves a ``.tmp`` tag that ``latest`` never names and the next save removes.
+
+The next save, the end of training and an interrupt wait for a background save
+(:func:`wait_pending`); its errors (a full disk: one line naming the last complete tag) surface there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from megapost.checkpoint import io, retention, sharded
+from megapost.checkpoint import layout_free as lf
+from megapost.checkpoint import safety as checkpoint_safety
+from megapost.checkpoint.stream_write import Staging
+from megapost.utils.atomic import atomic_path, atomic_write_text
+
+FAILED = ".failed-rank"
+_STAGING = Staging()
+_POOL = sharded.HostPool()
+
+
+@dataclass
+class _Save:
+    """One save in flight on this rank."""
+
+    directory: str
+    tag: str
+    rank: int
+    expected: list[str]  # files (relative to the tag) every rank must have written
+    previous: str | None
+    keep: int = 0
+    every: int = 0
+    interval: int = 0
+    timeout_s: float = 600.0
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    written: int = 0
+    done_at: float = 0.0  # time.perf_counter() when the background write ended
+    cpu_s: float = 0.0  # CPU time the background thread used
+
+    @property
+    def tmp_dir(self) -> str:
+        return os.path.join(self.directory, self.tag + io.TMP_SUFFIX)
+
+
+_pending: _Save | None = None
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(directory: str, tmp_tag: str, tag: str) -> None:
+    """The complete temp tag takes the final name, then ``latest`` names it (both atomic)."""
+    final, old = os.path.join(directory, tag), os.path.join(directory, f"{tag}.old{io.TMP_SUFFIX}")
+    if os.path.exists(final):  # the same iteration saved again: move the old copy aside first
+        os.replace(final, old)
+    os.replace(os.path.join(directory, tmp_tag), final)
+    _fsync_dir(directory)
+    atomic_write_text(os.path.join(directory, "latest"), tag)
+    _fsync_dir(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _wait_for_files(job: _Save) -> None:
+    deadline = time.monotonic() + job.timeout_s
+    while True:
+        missing = [n for n in job.expected if not os.path.exists(os.path.join(job.tmp_dir, n))]
+        if not missing:
+            return
+        failed = sorted(glob.glob(os.path.join(job.tmp_dir, lf.DIR, FAILED + "*")))
+        if failed:
+            with open(failed[0]) as f:
+                raise RuntimeError(f"checkpoint {job.tmp_dir} not published: {f.read().strip()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint {job.tmp_dir} not published: {len(missing)} files of other ranks "
+                               f"missing after {job.timeout_s:.0f} s (first: {missing[0]})")
+        time.sleep(0.02)
+
+
+def _test_pause(tag: str) -> Any:
+    """``MEGAPOST_SLOW_SAVE=ITER:SECONDS`` (tests: kill -9 during a write): the save of iteration ITER
+    sleeps SECONDS with its first file half written."""
+    spec = os.environ.get("MEGAPOST_SLOW_SAVE", "")
+    if ":" not in spec or tag != f"iter_{int(spec.split(':')[0]):07d}":
+        return None
+    return lambda: time.sleep(float(spec.split(":")[1]))
+
+
+def _finish(job: _Save, files: sharded.RankFiles, event: Any) -> None:
+    """Write this rank's files; rank 0 then publishes the tag and applies retention."""
+    try:
+        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, event, _test_pause(job.tag))
+        if job.rank == 0:
+            _wait_for_files(job)
+            lf.write_manifest(job.tmp_dir)
+            _publish(job.directory, job.tag + io.TMP_SUFFIX, job.tag)
+            if job.keep:
+                retention.apply(job.directory, job.keep, job.every, job.interval)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.join(job.tmp_dir, lf.DIR), exist_ok=True)
+            with open(os.path.join(job.tmp_dir, lf.DIR, f"{FAILED}{job.rank}"), "w") as f:
+                f.write(f"rank {job.rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        raise
+
+
+def _background(job: _Save, files: sharded.RankFiles, event: Any) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU, not training's
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    try:
+        _finish(job, files, event)
+    except BaseException as e:  # surfaces in wait_pending
+        job.error = e
+    finally:
+        job.done_at, job.cpu_s = time.perf_counter(), time.thread_time()
+
+
+def _error(e: BaseException, job: _Save) -> BaseException:
+    if isinstance(e, OSError):
+        return checkpoint_safety.write_error(e, job.tmp_dir, job.previous) or e
+    return e
+
+
+def wait_pending(raise_errors: bool = True) -> int:
+    """Block until this rank's background save is written (rank 0: and published); returns its bytes.
+    Its error is raised here (``raise_errors``) — a full disk as the one-line ConfigError."""
+    global _pending
+    job, _pending = _pending, None
+    if job is None or job.thread is None:
+        return 0
+    job.thread.join()
+    if job.error is not None and raise_errors:
+        raise _error(job.error, job) from None
+    return job.written
+
+
+def _write_meta(args: Any, tmp_dir: str, tag: str, iteration: int) -> None:
+    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT, "ckpt_format": args.ckpt_format,
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage,
+            "model": io.model_shape(args)}
+    with atomic_path(os.path.join(tmp_dir, io.META_FILE)) as tmp, open(tmp, "w") as f:
+        json.dump(meta, f)
+
+
+def save(engine: Any, args: Any, iteration: int, consumed: int, plugin_states: dict[str, Any],
+         pstate: Any) -> str:
+    """Save tag ``iter_XXXXXXX``: this rank's shard (``checkpoint.sharded``), DeepSpeed's files too
+    under ``--ckpt-format deepspeed``; returns at once under ``--async-save`` (the write goes on in a
+    background thread), else when the tag is published."""
+    global _pending
+    wait_pending()
+    tag = f"iter_{iteration:07d}"
+    expected = [f"{lf.DIR}/{n}" for n in [*sharded.all_shard_files(pstate), lf.STATE]]
+    job = _Save(args.save, tag, pstate.global_rank, expected, io.last_complete(args.save),
+                getattr(args, "save_retain", 0),
+                getattr(args, "save_retain_every", 0), args.save_interval,
+                60.0 * getattr(args, "distributed_timeout_minutes", 10.0))
+    client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": io.rng_state(),
+              "plugins": plugin_states,
+              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+    try:
+        if job.rank == 0:
+            io.remove_temp_tags(args.save)
+        _barrier()
+        if job.rank == 0:
+            _write_meta(args, job.tmp_dir, tag, iteration)
+        if getattr(args, "ckpt_format", "megapost") == "deepspeed":
+            engine.save_checkpoint(args.save, tag=tag + io.TMP_SUFFIX, client_state=client, save_latest=False)
+            _barrier()
+        files = sharded.rank_files(engine, pstate, args, client)
+        if getattr(args, "async_save", False):
+            snapshot, event = _POOL.snapshot(files)
+            job.thread = threading.Thread(target=_background, args=(job, snapshot, event), daemon=True,
+                                          name=f"megapost-save-{tag}")
+            _pending = job
+            job.thread.start()
+            return tag
+        _finish(job, files, None)
+        _barrier()
+    except OSError as e:
+        raise _error(e, job) from None
+    return tag
