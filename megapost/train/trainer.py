@@ -70,11 +70,20 @@ def _host_norms(norms: list[Any]) -> list[float | None]:
             out[i] = value
     return [None if n is None else float(n) for n in out]
 
-class PluginBatches:
-    """Iterator wrapper that shows every micro-batch to the plugins measuring this step."""
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
+    if device is None or device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
-    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool) -> None:
-        self.it, self.pipeline = it, pipeline
+
+class PluginBatches:
+    """Iterator wrapper that shows every micro-batch to the plugins measuring this step; under PP it
+    hands the pipeline engine device tensors (its own ``.to(device)`` would block per micro-batch)."""
+
+    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool,
+                 device: torch.device | None = None) -> None:
+        self.it, self.pipeline, self.device = it, pipeline, device
         self.active: list[Plugin] = []
         self.step = 0
 
@@ -86,7 +95,9 @@ class PluginBatches:
         for plugin in self.active:
             plugin.on_micro_batch(self.step, batch)
         if self.pipeline:
-            return (batch["tokens"],), (batch["labels"], batch["loss_mask"])
+            tokens, labels, mask = (to_device(batch[k], self.device)
+                                    for k in ("tokens", "labels", "loss_mask"))
+            return (tokens,), (labels, mask)
         return batch
 
 
@@ -119,10 +130,7 @@ class Trainer:
         return value
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def _micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
         losses = []
@@ -172,7 +180,7 @@ class Trainer:
         it = self.valid_iter_fn()
         if it is None:
             return math.nan
-        batches = PluginBatches(it, self.pipeline)
+        batches = PluginBatches(it, self.pipeline, self.device)
         total = torch.zeros((), device=self.device)
         for _ in range(self.args.eval_iters):
             if self.pipeline:
@@ -190,7 +198,7 @@ class Trainer:
         active = [p for p in self.plugins if p.wants_step(0)]
         if not active:
             return
-        batches = PluginBatches(self.train_iter_fn(0), self.pipeline)
+        batches = PluginBatches(self.train_iter_fn(0), self.pipeline, self.device)
         batches.active, batches.step = active, 0
         for plugin in active:
             plugin.on_step_begin(0, self.engine.module)
@@ -285,7 +293,7 @@ class Trainer:
         self._start_iteration = st.iteration
         if st.iteration == 0:
             self.measure_at_init()
-        self.batches = PluginBatches(self.train_iter_fn(st.consumed_samples), self.pipeline)
+        self.batches = PluginBatches(self.train_iter_fn(st.consumed_samples), self.pipeline, self.device)
         history: dict[str, Any] = {"train_loss": {}, "valid_loss": {}}
         self.memory.reset()
         while st.iteration < args.train_iters:
@@ -359,7 +367,8 @@ class Trainer:
         self.state.iteration = snap["iteration"]
         if not skip_data:
             self.state.consumed_samples = snap["consumed_samples"]
-        self.batches = PluginBatches(self.train_iter_fn(self.state.consumed_samples), self.pipeline)
+        self.batches = PluginBatches(self.train_iter_fn(self.state.consumed_samples), self.pipeline,
+                                     self.device)
 
     def save(self) -> None:
         pending = [t for _, loss, norm, _ in self.state.losses for t in (loss, norm)]
