@@ -29,6 +29,7 @@ from megapost.data.tokenizer import build_tokenizer
 from megapost.data.tokenizer_sidecar import check_tokenizer_sidecar
 from megapost.engine import hooks as engine_hooks
 from megapost.engine.ds_config import build_ds_config, reconcile_with_user_config
+from megapost.engine.grad_reduce import configure_grad_reduction
 from megapost.engine.optimizer import build_optimizer
 from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.metrics.monitor import Monitor
@@ -179,6 +180,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
                                     wsd_decay_iters=args.lr_wsd_decay_iters or 0,
                                     wsd_style=args.lr_wsd_decay_style)
     ds_config = build_ds_config(args, user_ds)
+    reduce_notes = configure_grad_reduction(ds_config, args, pstate.dp_size, device, model)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
     errors = deepspeed_config_errors(pstate, ds_config)
@@ -208,6 +210,8 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
     for note in args.megatron_notes:
         monitor.line(f" megapost: accepted {note}")
+    for note in reduce_notes:
+        monitor.line(f" megapost: {note}")
     if pstate.is_logging_rank and args.tensorboard_dir:
         with atomic_path(os.path.join(args.tensorboard_dir, "args.json")) as tmp, open(tmp, "w") as f:
             json.dump({k: v for k, v in vars(args).items() if k != "explicit"}, f, indent=1, default=str)

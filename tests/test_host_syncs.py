@@ -21,7 +21,7 @@ LAYOUTS = {
     "TP2+SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
     "DP2 ZeRO-1": (2, ["--zero-stage", "1"]),
-    "DP2 ZeRO-2": (2, ["--zero-stage", "2"]),
+    "DP2 ZeRO-2": (2, ["--zero-stage", "2", "--overlap-grad-reduce"]),
 }
 
 

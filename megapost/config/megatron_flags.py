@@ -28,8 +28,8 @@ ALWAYS: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated in fp32 under --bf16",
     "--no-position-embedding": "no learned position table (RoPE)",
     "--no-gradient-accumulation-fusion": "no fused wgrad accumulation",
-    "--overlap-grad-reduce": "DeepSpeed schedules gradient reduction",
-    "--overlap-param-gather": "DeepSpeed schedules parameter gathers",
+    "--overlap-param-gather": ("ZeRO-1/2 gather the updated parameters once after the optimizer step, "
+                               "not overlapped with the next forward"),
 }
 
 # Flags with a value: dest -> (allowed values as text, what megapost supports instead).
@@ -64,6 +64,11 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, help="must equal hidden/heads")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="only 0")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="only 0")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="reduce gradient buckets during backward (ZeRO-1/2 overlap_comm); default: on "
+                   "when DP > 1 on GPUs")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients in bf16 (default fp32, as Megatron's default)")
     g.add_argument("--fp16", action="store_true", help="refused: use --bf16")
     g.add_argument("--num-experts", type=int, help="refused: megapost has no MoE")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1")
