@@ -178,7 +178,8 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     scheduler = WarmupDecaySchedule(optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                     args.lr_decay_iters, args.lr_decay_style,
                                     wsd_decay_iters=args.lr_wsd_decay_iters or 0,
-                                    wsd_style=args.lr_wsd_decay_style)
+                                    wsd_style=args.lr_wsd_decay_style,
+                                    warmup_init=args.lr_warmup_init)
     ds_config = build_ds_config(args, user_ds)
     reduce_notes = configure_grad_reduction(ds_config, args, pstate.dp_size, device, model)
     for key, value in deepspeed_config_overrides(pstate).items():
