@@ -194,6 +194,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     checkpoint_safety.install(engine, trust=args.trust_checkpoint)
     peak = resolve_peak(args.peak_tflops, torch.bfloat16 if args.bf16 else torch.float32, device,
                         args.remeasure_peak)
+    args.causal_flops_per_token = model_cfg.flops_per_token(causal=True)
     trainer = Trainer(args, engine, loss_fn, pstate, train_iter, valid_iter, plugins, monitor,
                       model_cfg.flops_per_token(), peak.tflops, device)
     trainer.memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))

@@ -77,6 +77,14 @@ def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
+    """``MFU 41.0% (causal 37.2%)``: Megatron's convention first; unknown without a peak."""
+    if peak_tflops <= 0:
+        return "MFU unknown: pass --peak-tflops"
+    causal = f" (causal {100 * perf['mfu_causal']:.1f}%)" if "mfu_causal" in perf else ""
+    return f"MFU {100 * perf['mfu']:.1f}%{causal}"
+
+
 class PluginBatches:
     """Iterator wrapper that shows every micro-batch to the plugins measuring this step; under PP it
     hands the pipeline engine device tensors (its own ``.to(device)`` would block per micro-batch)."""
@@ -112,7 +120,8 @@ class Trainer:
         self.train_iter_fn, self.valid_iter_fn = train_iter_fn, valid_iter_fn
         self.plugins, self.monitor, self.device = plugins, monitor, device
         self.state = TrainState()
-        self.throughput = Throughput(flops_per_token, pstate.world_size, peak_tflops)
+        self.throughput = Throughput(flops_per_token, pstate.world_size, peak_tflops,
+                                     getattr(args, "causal_flops_per_token", None))
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.batches: PluginBatches | None = None
         self.fail_at = injected_failure()
@@ -248,7 +257,7 @@ class Trainer:
             f" iteration {st.iteration:6d}/{args.train_iters} | consumed samples {st.consumed_samples} | "
             f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
             f"tokens/s {perf['tokens_per_sec']:.0f} | TFLOP/s/dev {perf['tflops_per_device']:.3f} | "
-            f"MFU {100 * perf['mfu']:.1f}% | mem {perf['memory_gb']:.2f} GB | "
+            f"{_mfu_text(perf, self.throughput.peak_tflops)} | mem {perf['memory_gb']:.2f} GB | "
             f"ETA {self.monitor.eta(st.iteration, self._start_iteration, args.train_iters)}"
         )
         st.losses, st.z_losses = [], {}
