@@ -170,7 +170,31 @@ def install_zero_step(zero_optimizer: Any) -> bool:
 
     opt.unscale_and_clip_grads = unscale_and_clip_grads
     opt.step = sync_free_step
+    _stream_ordered_epilogue(opt)
     return True
+
+
+def _stream_ordered_epilogue(opt: Any) -> None:
+    """With ``overlap_comm`` on CUDA, DeepSpeed ends every backward with ``get_accelerator()
+    .synchronize()`` (``independent_gradient_partition_epilogue``) before reusing the reduced gradients;
+    ordering the compute stream after the reduction stream gives the same guarantee to everything that
+    follows on the device without stopping the host. (CPU ranks never take that branch.)"""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if not getattr(opt, "overlap_comm", False) or accel.resolves_data_dependency():
+        return
+    epilogue = opt.independent_gradient_partition_epilogue
+
+    def stream_ordered_epilogue() -> Any:
+        synchronize = accel.synchronize
+        accel.synchronize = lambda *_a: accel.current_stream().wait_stream(opt.reduction_stream)
+        try:
+            return epilogue()
+        finally:
+            accel.synchronize = synchronize
+
+    opt.independent_gradient_partition_epilogue = stream_ordered_epilogue
 
 
 # ---- pipeline engine -----------------------------------------------------------------------------------
