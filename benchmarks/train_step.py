@@ -43,16 +43,18 @@ class BareLoop:
     """A plain PyTorch training step of ``LlamaModel``: ``mode`` is fp32, autocast (fp32 weights,
     bf16 autocast) or bf16 (bf16 weights, fp32 master weights and fp32 gradient accumulation)."""
 
-    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int) -> None:
+    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int,
+                 device: torch.device | None = None) -> None:
         self.mode, self.accum, self.clip = mode, accum, args.clip_grad
-        self.model = LlamaModel(cfg)
+        self.device = device or torch.device("cpu")  # the device megapost trains on: same-device ratios
+        self.model = LlamaModel(cfg).to(self.device)
         self.batches: Iterator[dict[str, torch.Tensor]] = synthetic_batches(cfg.vocab_size, micro,
                                                                             cfg.seq_length)
         if mode != "bf16":
             self.params = list(self.model.parameters())
             self.optimizer = build_optimizer(self.model, args)
             return
-        master = LlamaModel(cfg)  # same initial weights, kept in fp32 and stepped by the optimizer
+        master = LlamaModel(cfg).to(self.device)  # same initial weights, fp32, stepped by the optimizer
         self.master = list(master.parameters())
         self.model.to(torch.bfloat16)
         self.params = list(self.model.parameters())
@@ -72,8 +74,8 @@ class BareLoop:
 
     def step(self) -> None:
         for _ in range(self.accum):
-            b = next(self.batches)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.batches).items()}
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mode == "autocast"):
                 loss = lm_loss(self.model(b["tokens"]), b["labels"], b["loss_mask"]) / self.accum
             loss.backward()
         if self.mode != "bf16":
@@ -101,6 +103,8 @@ def run_rounds(variants: dict[str, Callable[[], Any]], rounds: int, peak_dtype: 
         for name in names[r % len(names):] + names[:r % len(names)]:
             start = {c: clock() for c, clock in CLOCKS.items()}
             variants[name]()
+            if device.type == "cuda":  # the step ends when the device is done
+                torch.cuda.synchronize(device)
             for c, clock in CLOCKS.items():
                 times[c][name].append(clock() - start[c])
         peaks.append(measure_matmul_tflops(peak_dtype, device))
@@ -128,8 +132,8 @@ def main() -> None:
     variants: dict[str, Callable[[], Any]] = {"megapost": lambda: float(trainer.train_step(1))}
     pairs: list[tuple[str, str, str]] = []  # (numerator, denominator, what and target)
     if b.bf16:
-        bare = BareLoop(cfg, args, "bf16", b.micro, b.accum)
-        autocast = BareLoop(cfg, args, "autocast", b.micro, b.accum)
+        bare = BareLoop(cfg, args, "bf16", b.micro, b.accum, trainer.device)
+        autocast = BareLoop(cfg, args, "autocast", b.micro, b.accum, trainer.device)
         fp32, _, _ = build_trainer(b, [])
         variants.update({"bare bf16": bare.step, "bare autocast": autocast.step,
                          "megapost fp32": lambda: float(fp32.train_step(1))})
@@ -138,7 +142,7 @@ def main() -> None:
                   ("megapost fp32", "megapost", "megapost fp32 / bf16 = bf16 speedup (target >= 2.0)"),
                   ("bare autocast", "bare bf16", "bare autocast / bare bf16")]
     else:
-        bare = BareLoop(cfg, args, "fp32", b.micro, b.accum)
+        bare = BareLoop(cfg, args, "fp32", b.micro, b.accum, trainer.device)
         variants["bare fp32"] = bare.step
         pairs.append(("megapost", "bare fp32", "fp32 megapost / bare fp32 (target <= 1.10)"))
     if b.compile:  # warm-up (run_rounds) compiles; all blocks share one graph

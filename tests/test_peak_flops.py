@@ -31,6 +31,14 @@ CPU = torch.device("cpu")
     ("Tesla V100-PCIE-16GB", "fp32", 14.0, "NVIDIA V100 PCIe"),
     ("AMD Instinct MI250X", "bf16", 191.5, "AMD Instinct MI250X (one GCD)"),
     ("AMD Instinct MI300X", "bf16", 1307.4, "AMD Instinct MI300X"),
+    ("NVIDIA B200", "bf16", 2250.0, "NVIDIA HGX B200"),
+    ("NVIDIA GB200", "bf16", 2500.0, "NVIDIA GB200 (one GPU)"),
+    ("NVIDIA H800", "bf16", 989.5, "NVIDIA H800 SXM"),
+    ("NVIDIA H800 PCIe", "bf16", 756.5, "NVIDIA H800 PCIe"),
+    ("NVIDIA H20", "bf16", 148.0, "NVIDIA H20"),
+    ("NVIDIA L4", "bf16", 121.0, "NVIDIA L4"),
+    ("NVIDIA A10G", "bf16", 70.0, "NVIDIA A10G"),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165.2, "NVIDIA GeForce RTX 4090"),
 ])
 def test_table_lookup_by_device_name(name: str, precision: str, tflops: float, entry: str) -> None:
     peak = table_peak(name, precision)
@@ -39,8 +47,8 @@ def test_table_lookup_by_device_name(name: str, precision: str, tflops: float, e
 
 
 def test_unknown_devices_and_precisions_are_not_guessed() -> None:
-    assert table_peak("NVIDIA A10G", "bf16") is None  # not the A10
-    assert table_peak("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert table_peak("NVIDIA A10G", "bf16").tflops == 70.0  # not the A10
+    assert table_peak("NVIDIA RTX 6000 Ada Generation", "bf16") is None
     assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 units: measure instead
 
 
@@ -88,3 +96,24 @@ def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
     quiet = pretrain(tiny_model_flags(tiny_data, **{"--peak-tflops": 1e6, "--train-iters": 2,
                                                    "--runs-dir": tmp_path / "runs2"})).stdout
     assert "warning: MFU" not in quiet
+
+
+def test_mfu_in_megatron_convention_with_the_causal_half_beside() -> None:
+    from megapost.metrics.throughput import Throughput
+    from megapost.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=256, num_layers=3, hidden_size=64, ffn_hidden_size=128,
+                      num_attention_heads=4, seq_length=32)
+    # Megatron-LM counts QK^T and PV in full: 12·L·s·d per token (fwd+bwd); the causal half is 6·L·s·d
+    assert cfg.flops_per_token() - cfg.flops_per_token(causal=True) == 6 * 3 * 32 * 64
+    th = Throughput(cfg.flops_per_token(), 1, 1.0, cfg.flops_per_token(causal=True))
+    th.tick(1000)
+    perf = th.report()
+    assert perf["mfu_causal"] == pytest.approx(perf["mfu"] * cfg.flops_per_token(causal=True)
+                                               / cfg.flops_per_token())
+
+
+def test_unlisted_gpu_says_mfu_unknown(monkeypatch) -> None:
+    monkeypatch.setattr(peak_flops, "device_name", lambda device: "NVIDIA Future GPU")
+    peak = resolve_peak(0.0, torch.bfloat16, torch.device("cuda", 0))
+    assert peak.tflops == 0.0 and "MFU unknown: pass --peak-tflops" in peak.source

@@ -29,8 +29,8 @@ ALWAYS: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated in fp32 under --bf16",
     "--no-position-embedding": "no learned position table (RoPE)",
     "--no-gradient-accumulation-fusion": "no fused wgrad accumulation",
-    "--overlap-grad-reduce": "DeepSpeed schedules gradient reduction",
-    "--overlap-param-gather": "DeepSpeed schedules parameter gathers",
+    "--overlap-param-gather": ("ZeRO-1/2 gather the updated parameters once after the optimizer step, "
+                               "not overlapped with the next forward"),
 }
 
 # Flags with a value: dest -> (allowed values as text, what megapost supports instead).
@@ -38,6 +38,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "normalization": (("RMSNorm",), "megapost's norms are RMSNorm (--normalization RMSNorm)"),
     "position_embedding_type": (("rope",), "megapost uses RoPE (--position-embedding-type rope)"),
     "transformer_impl": (("local", "transformer_engine"), "megapost's own torch implementation"),
+    "dataloader_type": (("single",), "samples are read in the dataset's shuffled order, resumable by "
+                        "consumed samples (Megatron's single); no per-epoch reshuffle (cyclic)"),
 }
 
 # Megatron flags whose (checked) values mean what megapost does anyway; listed at start-up when typed.
@@ -68,6 +70,11 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, help="must equal hidden/heads")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="only 0")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="only 0")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="reduce gradient buckets during backward (ZeRO-1/2 overlap_comm); default: on "
+                   "when DP > 1 on GPUs")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients in bf16 (default fp32, as Megatron's default)")
     g.add_argument("--fp16", action="store_true", help="refused: use --bf16")
     g.add_argument("--num-experts", type=int, help="refused: megapost has no MoE")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1")
@@ -75,6 +82,8 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int, help="--lr-decay-iters = samples / global batch")
     g.add_argument("--lr-warmup-samples", type=int, help="--lr-warmup-iters = samples / global batch")
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup = fraction x --lr-decay-iters")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate at the start of the linear warmup (Megatron's)")
     g.add_argument("--lr-wsd-decay-style", choices=WSD_STYLES, default="exponential",
                    help="annealing shape of --lr-decay-style WSD")
     g.add_argument("--lr-wsd-decay-iters", type=int, help="WSD annealing length in iterations")
@@ -105,6 +114,20 @@ def _refuse(flag: str, what: str) -> ConfigError:
     return ConfigError(f"{flag}: {what}")
 
 
+def _compatibility_notes(args: argparse.Namespace) -> list[str]:
+    """Accepted flags that change nothing here, each with what megapost does instead."""
+    notes = []
+    if getattr(args, "deepspeed", False):
+        notes.append("--deepspeed (megapost always trains through DeepSpeed)")
+    if "tensorboard_log_interval" in args.explicit:
+        notes.append(f"--tensorboard-log-interval {args.tensorboard_log_interval} (every iteration's "
+                     "scalars are written to TensorBoard at each --log-interval)")
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        notes.append(f"--vocab-size {args.vocab_size} not used: the vocabulary comes from "
+                     f"--tokenizer-type {args.tokenizer_type} (padded to --make-vocab-size-divisible-by)")
+    return notes
+
+
 def _samples_to_iters(args: argparse.Namespace, samples: int, flag: str) -> int:
     if samples < 0:
         raise _refuse(flag, f"must be >= 0, got {samples}")
@@ -122,6 +145,9 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None and value not in allowed:
             raise _refuse(f"--{dest.replace('_', '-')} {value}", f"not supported; {why}")
+        if value is not None:
+            notes.append(f"--{dest.replace('_', '-')} {value} ({why})")
+    notes += _compatibility_notes(args)
     if args.fp16:
         raise _refuse("--fp16", "fp16 with loss scaling is not supported; use --bf16")
     if args.num_experts:

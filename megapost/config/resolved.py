@@ -59,6 +59,7 @@ class OptimizerConfig:
     lr_decay_style: str
     lr_wsd_decay_iters: int
     lr_wsd_decay_style: str
+    lr_warmup_init: float = 0.0  # Megatron's --lr-warmup-init: the lr the warmup starts from
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def resolve(args: argparse.Namespace, model: ModelConfig) -> Config:
         optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.weight_decay, a.adam_beta1, a.adam_beta2,
                                   a.adam_eps, a.sgd_momentum, a.clip_grad, a.z_loss, a.lr_warmup_iters,
                                   a.lr_decay_iters, a.lr_decay_style, a.lr_wsd_decay_iters or 0,
-                                  a.lr_wsd_decay_style),
+                                  a.lr_wsd_decay_style, a.lr_warmup_init),
         checkpoint=CheckpointConfig(a.save, a.load, a.load_hf, a.save_interval, a.trust_checkpoint),
         logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.peak_tflops, a.remeasure_peak,
                               tuple(a.megatron_notes)),

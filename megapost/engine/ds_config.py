@@ -78,6 +78,11 @@ def build_ds_config(args: argparse.Namespace, user: dict[str, Any]) -> dict[str,
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),
         zero_allow_untested_optimizer=True,
     )
+    # DeepSpeed's throughput timer defaults to enabled + synchronized: two device synchronize() per
+    # micro-batch (forward pre-hook and step). megapost measures throughput itself (metrics/throughput).
+    timers = config.setdefault("timers", {}).setdefault("throughput", {})
+    timers.setdefault("enabled", False)
+    timers.setdefault("synchronized", False)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = args.zero_stage
     config["bf16"] = {**config.get("bf16", {}), "enabled": bool(args.bf16)}

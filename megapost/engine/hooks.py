@@ -7,9 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from megapost.engine.sync_free import (
+    clip_fp32_grads,
+    install_bf16_step,
+    install_pipeline_loss_buffer,
+    install_zero_step,
+)
 
 
 def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None) -> None:
@@ -24,13 +30,18 @@ def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = 
     engine._take_model_step = take_model_step
 
     def clip_fp32_gradients() -> None:
-        # DeepSpeed computes but drops this norm on the fp32/ZeRO-0 path; keep it for logging (as a
-        # tensor where it is one: converting it here would wait for the device every step).
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
-        engine._global_grad_norm = norm.detach() if isinstance(norm, torch.Tensor) else float(norm)
+        # DeepSpeed computes but drops this norm on the fp32/ZeRO-0 path; keep it for logging, as a
+        # device tensor (converted only at log time), computed without host constants (sync_free).
+        norm = clip_fp32_grads(engine.module.parameters(), engine.gradient_clipping(), engine.mpu)
+        engine._global_grad_norm = norm.detach()
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+    if isinstance(engine.optimizer, BF16_Optimizer):
+        install_bf16_step(engine.optimizer)
+    elif isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        install_zero_step(engine.optimizer)
+    if hasattr(engine, "train_batch") and hasattr(engine, "_aggregate_total_loss"):
+        install_pipeline_loss_buffer(engine)
     if dp_size == 1:
         skip_single_rank_reduction(engine)
 

@@ -27,10 +27,11 @@ def _wsd_coeff(step: int, decay_iters: int, wsd_decay_iters: int, wsd_style: str
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str,
-          wsd_decay_iters: int = 0, wsd_style: str = "exponential") -> float:
-    """Learning rate for optimizer step ``step`` (0-based count of steps already taken)."""
+          wsd_decay_iters: int = 0, wsd_style: str = "exponential", warmup_init: float = 0.0) -> float:
+    """Learning rate for optimizer step ``step`` (0-based count of steps already taken); warmup rises
+    linearly from ``warmup_init`` (Megatron's --lr-warmup-init) to ``lr``."""
     if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
+        return warmup_init + (lr - warmup_init) * (step + 1) / warmup
     if style == "constant":
         return lr
     if style == "WSD":
@@ -58,10 +59,10 @@ class WarmupDecaySchedule:
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr: float, min_lr: float, warmup: int,
                  decay_iters: int, style: str, wsd_decay_iters: int = 0,
-                 wsd_style: str = "exponential") -> None:
+                 wsd_style: str = "exponential", warmup_init: float = 0.0) -> None:
         self.optimizer = optimizer
         self.params = dict(lr=lr, min_lr=min_lr, warmup=warmup, decay_iters=decay_iters, style=style,
-                           wsd_decay_iters=wsd_decay_iters, wsd_style=wsd_style)
+                           wsd_decay_iters=wsd_decay_iters, wsd_style=wsd_style, warmup_init=warmup_init)
         self.configured = dict(lr=lr, min_lr=min_lr, warmup=warmup)
         self.num_steps = 0
         self.rewarm: tuple[int, int, float] | None = None  # (start step, steps, start fraction): rewarm_scale

@@ -8,7 +8,8 @@ and repetitions) and cached per machine and dtype in ``~/.cache/megapost/peak_tf
 Table values are dense (no 2:4 sparsity) tensor-core TFLOP/s per device as torch sees it (one MI250X
 GCD is one device: half the module's figure).  ``tf32`` is used for fp32 training when torch lets
 matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``), else ``fp32`` (plain FP32 units).
-Sources: the NVIDIA A100, H100, H200, GH200, L40S, A10, RTX A6000 and V100 datasheets, and AMD's
+Sources: the NVIDIA B200/GB200 (HGX, NVL72), A100, H100, H800, H20, H200, GH200, L40S, L4, A10, A10G,
+RTX A6000, RTX 4090 (Ada whitepaper, FP32 accumulate) and V100 datasheets, and AMD's
 Instinct MI250X and MI300X datasheets (sparse figures halved where a sheet gives only those).
 """
 
@@ -28,7 +29,12 @@ from megapost.utils.atomic import atomic_write_text
 
 # (pattern on the device name, table name, {precision: dense TFLOP/s}); first match wins.
 PEAK_TABLE: tuple[tuple[str, str, dict[str, float]], ...] = (
+    (r"GB200", "NVIDIA GB200 (one GPU)", {"bf16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
+    (r"B200", "NVIDIA HGX B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
     (r"GH200", "NVIDIA GH200", {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (r"H800.*PCIe", "NVIDIA H800 PCIe", {"bf16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    (r"H800", "NVIDIA H800 SXM", {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (r"\bH20\b", "NVIDIA H20", {"bf16": 148.0, "tf32": 74.0, "fp32": 44.0}),
     (r"H200 NVL", "NVIDIA H200 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     (r"H200", "NVIDIA H200 SXM", {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
     (r"H100 NVL", "NVIDIA H100 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
@@ -36,7 +42,10 @@ PEAK_TABLE: tuple[tuple[str, str, dict[str, float]], ...] = (
     (r"H100", "NVIDIA H100 SXM", {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
     (r"A100", "NVIDIA A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"L40S", "NVIDIA L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bA10G\b", "NVIDIA A10G", {"bf16": 70.0, "tf32": 35.0, "fp32": 31.2}),
     (r"\bA10\b", "NVIDIA A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bL4\b", "NVIDIA L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"RTX 4090", "NVIDIA GeForce RTX 4090", {"bf16": 165.2, "tf32": 82.6, "fp32": 82.6}),
     (r"RTX A6000", "NVIDIA RTX A6000", {"bf16": 154.8, "tf32": 77.4, "fp32": 38.7}),
     (r"V100S", "NVIDIA V100S PCIe", {"fp32": 16.4}),  # no bf16 / tf32 units: bf16 runs are measured
     (r"V100.*PCIE", "NVIDIA V100 PCIe", {"fp32": 14.0}),
@@ -162,11 +171,14 @@ def measured_peak(dtype: torch.dtype, device: torch.device, remeasure: bool = Fa
 
 def resolve_peak(peak_tflops: float, dtype: torch.dtype, device: torch.device,
                  remeasure: bool = False) -> Peak:
-    """``--peak-tflops`` if given, else the datasheet table, else the cached/measured figure."""
+    """``--peak-tflops`` if given, else the datasheet table; an unlisted GPU gets 0 ("MFU unknown"); a
+    CPU the cached/measured figure."""
     if peak_tflops and peak_tflops > 0:
         return Peak(float(peak_tflops), "--peak-tflops")
     if device.type == "cuda":
         known = table_peak(device_name(device), precision_of(dtype, device))
         if known is not None:
             return known
+        # a small-matmul timing understates a big GPU's peak and so overstates MFU: do not guess
+        return Peak(0.0, f"{device_name(device)} not in the datasheet table: MFU unknown: pass --peak-tflops")
     return measured_peak(dtype, device, remeasure)

@@ -44,8 +44,12 @@ class PeakMemory:
 class Throughput:
     """Interval timer: call ``tick(tokens)`` each step, ``report()`` at each log line."""
 
-    def __init__(self, flops_per_token: float, world_size: int, peak_tflops: float) -> None:
+    def __init__(self, flops_per_token: float, world_size: int, peak_tflops: float,
+                 causal_flops_per_token: float | None = None) -> None:
+        """``flops_per_token`` in Megatron's convention (the headline MFU); ``causal_flops_per_token``
+        (attention's causal half) gives ``mfu_causal`` beside it."""
         self.flops_per_token = flops_per_token
+        self.causal_flops_per_token = causal_flops_per_token
         self.world_size = world_size
         self.peak_tflops = peak_tflops
         self._start = time.perf_counter()
@@ -60,5 +64,7 @@ class Throughput:
         tflops = tokens_per_s * self.flops_per_token / 1e12 / self.world_size  # per device
         mfu = tflops / self.peak_tflops if self.peak_tflops > 0 else 0.0
         self._start, self._tokens = time.perf_counter(), 0
-        return {"tokens_per_sec": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu,
-                "seconds": elapsed}
+        out = {"tokens_per_sec": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu, "seconds": elapsed}
+        if self.causal_flops_per_token and self.peak_tflops > 0:
+            out["mfu_causal"] = mfu * self.causal_flops_per_token / self.flops_per_token
+        return out

@@ -9,7 +9,7 @@ from torch import nn
 
 from megapost.model.config import ModelConfig
 from megapost.model.norm import RMSNorm
-from megapost.model.rope import apply_rope, rope_cache
+from megapost.model.rope import apply_rope_tables, rope_cache, rope_tables
 
 
 def causal_running_mean(v: torch.Tensor) -> torch.Tensor:
@@ -46,13 +46,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk else None
         self.v_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qkv_norm else None
         self._rope: tuple[torch.Tensor, ...] | None = None
+        self._rope_by_dtype: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
 
-    def _rope_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def _rope_tables(self, seq: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin (``rope_tables``) in the activations' dtype, cached per dtype."""
         if torch.compiler.is_compiling():  # in a compiled graph: computed there, no cached state to guard
-            return rope_cache(seq, self.head_dim, self.rope_theta, device)
+            return rope_tables(*rope_cache(seq, self.head_dim, self.rope_theta, device), dtype)
         if self._rope is None or self._rope[0].shape[0] < seq or self._rope[0].device != device:
             self._rope = rope_cache(seq, self.head_dim, self.rope_theta, device)
-        return self._rope[0][:seq], self._rope[1][:seq]
+            self._rope_by_dtype = {}
+        if dtype not in self._rope_by_dtype:
+            self._rope_by_dtype[dtype] = rope_tables(*self._rope, dtype)
+        cos, signed_sin = self._rope_by_dtype[dtype]
+        return cos[:seq], signed_sin[:seq]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -65,8 +71,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
-        cos, sin = self._rope_tables(q.shape[2], x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, signed_sin = self._rope_tables(q.shape[2], x.device, q.dtype)
+        q, k = apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
         n_rep = q.shape[1] // k.shape[1]
         gqa = {"enable_gqa": True} if n_rep > 1 else {}
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)

@@ -124,12 +124,14 @@ class ModelConfig:
         return (f"{total / 1e6:.2f}M parameters ({(total - body) / 1e6:.2f}M embedding + head, "
                 f"{body / 1e6:.2f}M non-embedding){gqa}")
 
-    def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward+backward = 3x forward; matmuls and attention scores).
+    def flops_per_token(self, causal: bool = False) -> float:
+        """Model FLOPs per trained token (forward+backward = 3x forward; matmuls and attention scores),
+        in Megatron-LM's convention: QK^T and PV counted in full, 12·L·s·d per token (as published MFU
+        figures count them); ``causal=True`` counts the causal half actually needed (6·L·s·d).
         Grouped-query attention shrinks only the K/V projections; scores and P V use every query head."""
         d, v, n, s = self.hidden_size, self.vocab_size, self.num_layers, self.seq_length
         matmul = n * self._layer_matmul_weights() + d * v
-        attention = n * s * d  # QK^T and PV, causal half of 2 * s * d each
+        attention = n * s * d * (1 if causal else 2)  # QK^T and PV: 2·s·d each, or their causal half
         return 6.0 * matmul + 6.0 * attention
 
 

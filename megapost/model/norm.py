@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # optional fused kernel
+try:  # optional fused kernel: usable only when its CUDA extension loads (a Python-only apex install
+    # imports fine and fails at the first call)
+    import fused_layer_norm_cuda  # type: ignore  # noqa: F401
     from apex.normalization import FusedRMSNorm as _ApexRMSNorm  # type: ignore
 except Exception:  # noqa: BLE001 - apex is optional and often half-installed
     _ApexRMSNorm = None

@@ -14,8 +14,22 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) 
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape [b, heads, s, head_dim] by position."""
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables ``apply_rope_tables`` takes, in ``dtype``: cos, and sin with its first half negated
+    (so rotate-half becomes a swap of the halves: no negation kernel per call). Build once per dtype."""
+    half = sin.shape[-1] // 2
+    return cos.to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
+
+
+def apply_rope_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, heads, s, head_dim] by position in its own dtype (as Hugging Face's Llama does)
+    from ``rope_tables``: three kernels (swap halves, x*cos, fused multiply-add) instead of eight."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape [b, heads, s, head_dim] by position (fp32 ``rope_cache`` tables)."""
+    return apply_rope_tables(x, *rope_tables(cos, sin, x.dtype))

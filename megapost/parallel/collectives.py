@@ -69,6 +69,15 @@ def _native(op: str, group: Any) -> bool:
     return not FORCE_FALLBACK and (op, dist.get_backend(group)) not in _unsupported
 
 
+def _fallback_or_raise(op: str, group: Any) -> None:
+    """Only gloo lacks the tensor collectives: remember to use the list form there. On any other
+    backend (NCCL) the error is real and is raised, never retried through the fallback."""
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        raise
+    _unsupported.add((op, backend))
+
+
 def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over ``group``; returns a new tensor, ``x`` is untouched."""
     out = x.contiguous().clone()
@@ -96,7 +105,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
             _all_gather_tensor(out, front, group=group)
             return out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError):
-            _unsupported.add(("all_gather", dist.get_backend(group)))
+            _fallback_or_raise("all_gather", group)
     dist.all_gather(list(out.chunk(n)), front, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -114,7 +123,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
             _reduce_scatter_tensor(out, front, group=group)
             return out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError):
-            _unsupported.add(("reduce_scatter", dist.get_backend(group)))
+            _fallback_or_raise("reduce_scatter", group)
     summed = front.clone()
     dist.all_reduce(summed, group=group)
     return summed.chunk(n)[dist.get_rank(group=group)].movedim(0, dim).contiguous()

@@ -84,6 +84,26 @@ def _row(c: Candidate) -> dict[str, object]:
             "comm_gb_per_gpu": c.comm_bytes / GiB}
 
 
+# layout flags of the trainer the planner takes as constraints when typed: (dest, Layout field)
+CONSTRAINTS = (("zero_stage", "zero_stage"), ("tensor_model_parallel_size", "tp"),
+               ("pipeline_model_parallel_size", "pp"), ("sequence_parallel", "sequence_parallel"),
+               ("checkpoint_activations", "checkpoint"))
+
+
+def _allowed(layout: object, args: argparse.Namespace) -> bool:
+    """Only layouts that agree with every layout flag the user typed (and the bf16 promotion of
+    --zero-stage 0 to 1, as the trainer does)."""
+    for dest, field in CONSTRAINTS:
+        if dest not in args.explicit:
+            continue
+        want = getattr(args, dest)
+        if dest == "zero_stage" and not args.fp32:
+            want = max(1, want)
+        if getattr(layout, field) != want:
+            return False
+    return True
+
+
 def plan(args: argparse.Namespace) -> dict[str, object]:
     cfg = model_config(args)
     prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}},
@@ -94,6 +114,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                        mfu=args.mfu, clip_grad=args.clip_grad,
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
+    cands = [c for c in cands if _allowed(c.layout, args)]
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
     return {

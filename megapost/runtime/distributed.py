@@ -41,15 +41,23 @@ def default_group_timeout(timeout: datetime.timedelta) -> None:
         c10d.default_pg_nccl_timeout = timeout
 
 
+def device_index(device_count: int, local_rank: int | None = None) -> int:
+    """This rank's GPU: ``LOCAL_RANK`` (torchrun, DeepSpeed's launcher), else ``SLURM_LOCALID`` (srun),
+    modulo the GPUs this process sees (one per task under ``--gpus-per-task``: always 0)."""
+    env = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+    rank = int(env) if env is not None else int(local_rank or 0)
+    return rank % max(1, device_count)
+
+
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Initialise torch.distributed with a bounded timeout; returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = device_index(torch.cuda.device_count(), args.local_rank)
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
         skip_cpu_shm_op_build()

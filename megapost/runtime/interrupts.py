@@ -290,7 +290,12 @@ class ExitConditions:
         self.reduce = bool(self.signals or self.minutes > 0) and dist.is_initialized() \
             and dist.get_world_size() > 1
         if self.reduce and dist.get_backend() != "gloo":  # a CPU side channel: no device sync per step
-            self.group = dist.new_group(backend="gloo")
+            try:
+                self.group = dist.new_group(backend="gloo")
+            except RuntimeError as e:  # gloo picks the hostname's interface; it may not route
+                raise RuntimeError(f"--exit-signal-handler/--exit-duration-in-mins: the CPU side group "
+                                   f"(gloo) did not start ({e}); set GLOO_SOCKET_IFNAME to a routable "
+                                   "interface (as NCCL_SOCKET_IFNAME)") from e
         if self.signals:
             install_handlers(defer=True)
 

@@ -22,6 +22,7 @@ from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.engine import hooks as engine_hooks
 from megapost.engine.ds_config import build_ds_config
+from megapost.engine.grad_reduce import configure_grad_reduction
 from megapost.engine.optimizer import build_optimizer
 from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.metrics.monitor import Monitor
@@ -84,15 +85,17 @@ def build_plugins(classes: Sequence[type], args: Any, model_cfg: ModelConfig, ps
 def build_schedule(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> WarmupDecaySchedule:
     return WarmupDecaySchedule(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
                                opt.lr_decay_style, wsd_decay_iters=opt.lr_wsd_decay_iters,
-                               wsd_style=opt.lr_wsd_decay_style)
+                               wsd_style=opt.lr_wsd_decay_style, warmup_init=opt.lr_warmup_init)
 
 
-def build_engine(prep: Prepared, config: Config, model: torch.nn.Module, pstate: ParallelState
-                 ) -> tuple[Any, dict[str, Any]]:
-    """The DeepSpeed engine of ``model`` with megapost's optimizer, schedule and generated config."""
+def build_engine(prep: Prepared, config: Config, model: torch.nn.Module, pstate: ParallelState,
+                 device: torch.device) -> tuple[Any, dict[str, Any], list[str]]:
+    """The DeepSpeed engine of ``model`` with megapost's optimizer, schedule and generated config (and
+    the start-up notes of the gradient-reduction choice)."""
     optimizer = build_optimizer(model, config.optimizer)
     scheduler = build_schedule(optimizer, config.optimizer)
     ds_config = build_ds_config(prep.args, prep.user_ds)
+    reduce_notes = configure_grad_reduction(ds_config, prep.args, pstate.dp_size, device, model)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
     errors = deepspeed_config_errors(pstate, ds_config)
@@ -103,7 +106,7 @@ def build_engine(prep: Prepared, config: Config, model: torch.nn.Module, pstate:
         mpu=make_mpu(pstate) if config.parallel.pipeline_model_parallel_size == 1 else None,
     )
     checkpoint_safety.install(engine, trust=config.checkpoint.trust_checkpoint)
-    return engine, ds_config
+    return engine, ds_config, reduce_notes
 
 
 def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None
@@ -135,7 +138,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     plugins += manual_gc_plugins(args, model_cfg, pstate)
     for plugin in plugins:
         plugin.on_model_built(model)
-    engine, ds_config = build_engine(prep, config, model, pstate)
+    engine, ds_config, reduce_notes = build_engine(prep, config, model, pstate, device)
     peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
                         config.logging.remeasure_peak)
     memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
@@ -143,11 +146,12 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
     engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
-    _start(trainer, config, peak.describe(), prep, device)
+    _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 
 
-def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: torch.device) -> None:
+def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: torch.device,
+           notes: list[str]) -> None:
     """Resume, or start from --load-hf's weights; the start-up lines and the run's args.json."""
     ckpt, monitor, pstate, args = config.checkpoint, trainer.monitor, trainer.pstate, prep.args
     if ckpt.load:
@@ -170,6 +174,8 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
                      "bound)")
     for note in config.logging.megatron_notes:
         monitor.line(f" megapost: accepted {note}")
+    for note in notes:
+        monitor.line(f" megapost: {note}")
     if pstate.is_logging_rank:  # args.json: every flag, the launch history and the resolved sections
         launches.write_record(args, [config.logging.tensorboard_dir, ckpt.save],
                               resolved=config.to_json()["resolved"])

@@ -26,7 +26,7 @@ class Evaluator:
             return math.nan
         runner = self.runner
         engine = runner.engine
-        batches = PluginBatches(it, runner.pipeline)
+        batches = PluginBatches(it, runner.pipeline, runner.device)
         total = torch.zeros((), device=runner.device)
         for _ in range(self.eval_iters):
             if runner.pipeline:

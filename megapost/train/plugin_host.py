@@ -6,17 +6,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from megapost.plugin_api import Plugin
 from megapost.train.plugin_binding import PluginBinding, bind_plugins
 
 
-class PluginBatches:
-    """Iterator wrapper that shows every micro-batch to the plugins measuring this step."""
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
+    if device is None or device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
-    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool) -> None:
-        self.it, self.pipeline = it, pipeline
+
+class PluginBatches:
+    """Iterator wrapper that shows every micro-batch to the plugins measuring this step; under PP it
+    hands the pipeline engine device tensors (its own ``.to(device)`` would block per micro-batch)."""
+
+    def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool,
+                 device: torch.device | None = None) -> None:
+        self.it, self.pipeline, self.device = it, pipeline, device
         self.active: list[Plugin] = []
         self.step = 0
 
@@ -28,7 +38,9 @@ class PluginBatches:
         for plugin in self.active:
             plugin.on_micro_batch(self.step, batch)
         if self.pipeline:
-            return (batch["tokens"],), (batch["labels"], batch["loss_mask"])
+            tokens, labels, mask = (to_device(batch[k], self.device)
+                                    for k in ("tokens", "labels", "loss_mask"))
+            return (tokens,), (labels, mask)
         return batch
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megapost.parallel.state import ParallelState
-from megapost.train.plugin_host import PluginBatches, PluginHost
+from megapost.train.plugin_host import PluginBatches, PluginHost, to_device
 
 
 class StepRunner:
@@ -27,7 +27,7 @@ class StepRunner:
     def start_data(self, consumed_samples: int) -> None:
         """Training batches from sample ``consumed_samples`` on."""
         assert self.train_iter_fn is not None
-        self.batches = PluginBatches(self.train_iter_fn(consumed_samples), self.pipeline)
+        self.batches = PluginBatches(self.train_iter_fn(consumed_samples), self.pipeline, self.device)
 
     def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.pstate.dp_size > 1:
@@ -37,10 +37,7 @@ class StepRunner:
         return value
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host batch -> device; on CUDA through pinned memory, asynchronously (no host sync)."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
         losses = []
@@ -80,7 +77,7 @@ class StepRunner:
         if not active:
             return
         assert self.train_iter_fn is not None
-        batches = PluginBatches(self.train_iter_fn(0), self.pipeline)
+        batches = PluginBatches(self.train_iter_fn(0), self.pipeline, self.device)
         self.host.begin_step(0, batches, self.engine.module, active)
         with torch.no_grad():
             if self.pipeline:

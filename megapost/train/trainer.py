@@ -54,7 +54,8 @@ class Trainer:
         self.runner = StepRunner(engine, loss_fn, pstate, device, data.grad_accum_steps,
                                  config.parallel.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
         self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step)
-        throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops)
+        throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops,
+                                config.model.flops_per_token(causal=True))
         self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device,
                                   config.logging.log_interval, run.train_iters, self.tokens_per_step,
                                   ckpt.save, self.runner.dp_mean)

@@ -1,0 +1,197 @@
+"""Everything the first GPU hour should measure, in one process, into one JSON and a short table.
+
+    python benchmarks/gpu_suite.py [--out gpu_suite.json] [--steps 20] [--peak-tflops P]
+    python benchmarks/gpu_suite.py --dry-run     # the same cases on CPU with tiny shapes (CI)
+
+Cases (megapost's real Trainer and DeepSpeed engine, synthetic batches, DP=1, bf16): paper-180m eager
+and ``--compile`` (tokens/s, MFU in Megatron's convention and the causal half, peak memory vs the
+planner), Llama-1.3B-width and 7B-width slices (few layers, seq 4096, GQA 8) with and without
+activation checkpointing, the collapse_metrics overhead at intervals 1 and 10, a host-sync audit of
+non-logging steps (``torch.cuda.set_sync_debug_mode`` on CUDA, ``HostSyncCounter`` everywhere), the
+top kernels of one step (torch.profiler) and the same model's bare-PyTorch step on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+from bench_common import build_trainer
+from train_step import BareLoop
+
+from megapost.metrics.host_syncs import HostSyncCounter
+from megapost.metrics.peak_flops import resolve_peak
+from megapost.plan import planned_rank_peak
+
+# name: (layers, hidden, ffn, heads, query groups, seq, micro, accum, vocab)
+FULL = {"paper-180m": (48, 512, 1536, 8, None, 2048, 4, 8, 32000),
+        "1.3b-width": (4, 2048, 5632, 16, 8, 4096, 1, 4, 32000),
+        "7b-width": (2, 4096, 11008, 32, 8, 4096, 1, 4, 32000)}
+TINY = {"paper-180m": (2, 64, 192, 4, None, 64, 2, 2, 512),
+        "1.3b-width": (2, 64, 176, 8, 4, 128, 1, 2, 512),
+        "7b-width": (1, 128, 344, 8, 4, 128, 1, 2, 512)}
+
+
+def _trainer(shape: tuple, flags: list[str], plugins: tuple = ()) -> tuple[Any, Any, argparse.Namespace]:
+    layers, hidden, ffn, heads, groups, seq, micro, accum, vocab = shape
+    b = argparse.Namespace(layers=layers, hidden=hidden, seq=seq, micro=micro, accum=accum, vocab=vocab)
+    extra = ["--bf16", "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads), *flags]
+    if groups:
+        extra += ["--num-query-groups", str(groups)]
+    trainer, cfg, args = build_trainer(b, extra, plugins)
+    return trainer, cfg, args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step: Any, device: torch.device, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(name: str, shape: tuple, flags: list[str], o: argparse.Namespace, bare: bool = False,
+            plugins: tuple = ()) -> dict[str, Any]:
+    """One case: seconds per step, tokens/s, MFU (Megatron / causal), peak memory vs the planner."""
+    trainer, cfg, args = _trainer(shape, flags, plugins)
+    device, n = trainer.device, iter(range(1, 10**9))
+    step = trainer.train_step
+    seconds = _time_steps(lambda: step(next(n)), device, o.warmup, o.steps)
+    tokens = args.global_batch_size * args.seq_length
+    peak = resolve_peak(o.peak_tflops, torch.bfloat16, device)
+    row: dict[str, Any] = {"case": name, "flags": flags, "params_m": cfg.num_parameters() / 1e6,
+                           "s_per_step": seconds, "tokens_per_s": tokens / seconds,
+                           "peak_tflops": peak.tflops, "peak_source": peak.source}
+    tflops = tokens / seconds * cfg.flops_per_token() / 1e12
+    row["tflops"] = tflops
+    row["mfu"] = tflops / peak.tflops if peak.tflops > 0 else None
+    causal = cfg.flops_per_token(causal=True) / cfg.flops_per_token()
+    row["mfu_causal"] = row["mfu"] * causal if row["mfu"] else None
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    ds_config = trainer.engine._config._param_dict
+    row["planned_gb"] = planned_rank_peak(cfg, args, trainer.pstate, ds_config) / 2**30
+    if bare:
+        loop = BareLoop(cfg, args, "bf16", args.micro_batch_size, args.grad_accum_steps, device)
+        row["bare_s_per_step"] = _time_steps(loop.step, device, o.warmup, o.steps)
+        row["megapost_over_bare"] = seconds / row["bare_s_per_step"]
+    if o.audit and not plugins:
+        row["host_syncs"] = audit(trainer, device)
+        row["top_kernels"] = top_kernels(trainer, device)
+    trainer = step = None  # free the engine before the next case
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def audit(trainer: Any, device: torch.device) -> dict[str, Any]:
+    """Host syncs over two non-logging steps: counted calls, and CUDA's own sync warnings."""
+    with HostSyncCounter() as counter, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step in (1001, 1002):
+                trainer.train_step(step)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    cuda = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return {"counted": counter.total, "sites": dict(counter.sites), "cuda_sync_warnings": len(cuda),
+            "cuda_examples": cuda[:5]}
+
+
+def top_kernels(trainer: Any, device: torch.device, k: int = 8) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        trainer.train_step(2001)
+        _sync(device)
+    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:k]
+    return [{"name": e.key[:80], "ms": getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in rows]
+
+
+def overhead(shape: tuple, o: argparse.Namespace, base: float) -> list[dict[str, Any]]:
+    from megapost.plugin_api import plugin_classes
+
+    rows = []
+    for interval in (1, 10):
+        row = measure(f"collapse_metrics interval {interval}", shape, ["--collapse-interval", str(interval)],
+                      o, plugins=tuple(plugin_classes("collapse_metrics")))
+        row["overhead"] = row["s_per_step"] / base - 1.0
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = [f"{'case':34s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'causal':>6s} {'mem GB':>7s} "
+           f"{'plan GB':>7s} extra"]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        causal = f"{100 * r['mfu_causal']:.1f}%" if r.get("mfu_causal") else "n/a"
+        extra = []
+        if "megapost_over_bare" in r:
+            extra.append(f"megapost/bare {r['megapost_over_bare']:.3f}")
+        if "overhead" in r:
+            extra.append(f"overhead {100 * r['overhead']:+.1f}%")
+        if "host_syncs" in r:
+            extra.append(f"host syncs {r['host_syncs']['counted']} (cuda warnings "
+                         f"{r['host_syncs']['cuda_sync_warnings']})")
+        mem = f"{r['peak_mem_gb']:.2f}" if "peak_mem_gb" in r else "n/a"
+        out.append(f"{r['case']:34s} {r['s_per_step']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6s} {causal:>6s} "
+                   f"{mem:>7s} {r['planned_gb']:7.2f} {'; '.join(extra)}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, 1 timed step (CI)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=0.0)
+    p.add_argument("--out", default="gpu_suite.json")
+    o = p.parse_args()
+    if o.dry_run:
+        o.steps, o.warmup, o.peak_tflops = 1, 1, o.peak_tflops or 1.0
+    o.audit = True
+    shapes = TINY if o.dry_run else FULL
+    rows = [measure("paper-180m eager", shapes["paper-180m"], [], o, bare=True)]
+    o.audit = False
+    if o.dry_run:
+        rows.append({**rows[0], "case": "paper-180m --compile (skipped: dry run)"})
+    else:
+        rows.append(measure("paper-180m --compile", shapes["paper-180m"], ["--compile"], o))
+    for width in ("1.3b-width", "7b-width"):
+        for ckpt in ([], ["--checkpoint-activations"]):
+            rows.append(measure(f"{width}{' ckpt' if ckpt else ''}", shapes[width], ckpt, o))
+    rows += overhead(shapes["paper-180m"], o, rows[0]["s_per_step"])
+    with open(o.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                   "dry_run": o.dry_run, "rows": rows}, f, indent=1, default=str)
+    print(table(rows))
+    print(f"wrote {o.out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    sys.exit(main())

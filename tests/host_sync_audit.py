@@ -1,0 +1,53 @@
+"""Drive the real trainer (``megapost.pretrain.run``) and count the host syncs of two non-logging
+steps (``HostSyncCounter``): counting starts when iteration 3 begins and stops when iteration 5 begins,
+so it covers two whole loop iterations (engine step, scheduler, loop bookkeeping) and nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dist_utils import run_ranks
+
+COUNTED = (3, 5)  # [first counted iteration, first iteration not counted)
+
+
+def _no_shm_build() -> None:
+    from megapost.runtime.distributed import skip_cpu_shm_op_build
+
+    skip_cpu_shm_op_build()
+
+
+def _audit(argv: list[str]) -> dict[str, int]:
+    from megapost.metrics.host_syncs import HostSyncCounter
+    from megapost.pretrain import run
+    from megapost.train.trainer import Trainer
+
+    counter = HostSyncCounter()
+    original = Trainer.train_step
+
+    def train_step(self: Trainer, step: int) -> Any:
+        if step == COUNTED[0]:
+            counter.__enter__()
+        elif step == COUNTED[1]:
+            counter.__exit__(None, None, None)
+        return original(self, step)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+    try:
+        run(argv)
+    finally:
+        Trainer.train_step = original  # type: ignore[method-assign]
+        if counter.active:
+            counter.__exit__(None, None, None)
+    return dict(counter.sites)
+
+
+def count_syncs(data: Any, world: int, flags: list[str]) -> list[dict[str, int]]:
+    """Every rank's ``{"kind @ call site": count}`` over iterations 3 and 4 of a 5-step run that logs
+    only at its end (no eval, no save)."""
+    argv = ["--data-path", str(data.prefix), "--tokenizer-model", str(data.tokenizer_model),
+            "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--train-iters", "5", "--log-interval", "100", "--eval-interval", "0", "--peak-tflops", "1",
+            "--lr-warmup-iters", "1", "--seed", "7", *flags]
+    return run_ranks(_audit, world, argv, timeout=600, setup=_no_shm_build)

@@ -1,0 +1,69 @@
+"""A hook trace of one optimizer step of the real trainer: every gradient-reduction collective and the
+end of every transformer block's backward, in the order they happen (for tests/test_grad_overlap.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRACED = 3  # the iteration whose last micro-batch is traced
+REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce")
+
+
+def _no_shm_build() -> None:
+    from megapost.runtime.distributed import skip_cpu_shm_op_build
+
+    skip_cpu_shm_op_build()
+
+
+def _trace(argv: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megapost.model import TransformerBlock
+    from megapost.pretrain import run
+    from megapost.train.trainer import Trainer
+
+    events: list[str] = []
+    saved = {name: getattr(dist, name) for name in REDUCTIONS}
+    handles: list[Any] = []
+    original = Trainer.train_step
+
+    def traced(name: str) -> Any:
+        def call(tensor: Any, *a: Any, **kw: Any) -> Any:
+            events.append(f"{name}:{tensor.numel()}")
+            return saved[name](tensor, *a, **kw)
+        return call
+
+    def train_step(self: Trainer, step: int) -> Any:
+        if step != TRACED:
+            return original(self, step)
+        blocks = [m for m in self.engine.module.modules() if isinstance(m, TransformerBlock)]
+        for i, block in enumerate(blocks):
+            handles.append(block.register_full_backward_hook(
+                lambda *_a, i=i: events.append(f"block{i}_backward_end")))
+        for name in REDUCTIONS:
+            setattr(dist, name, traced(name))
+        try:
+            return original(self, step)
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+            for h in handles:
+                h.remove()
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+    try:
+        history = run(argv)
+    finally:
+        Trainer.train_step = original  # type: ignore[method-assign]
+    return {"events": events, "losses": history["train_loss"]}
+
+
+def trace(data: Any, world: int, flags: list[str]) -> list[dict[str, Any]]:
+    from dist_utils import run_ranks
+
+    argv = ["--data-path", str(data.prefix), "--tokenizer-model", str(data.tokenizer_model),
+            "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2", "--eval-interval", "0",
+            "--peak-tflops", "1", "--lr-warmup-iters", "1", "--seed", "7", *flags]
+    return run_ranks(_trace, world, argv, timeout=600, setup=_no_shm_build)
