@@ -199,7 +199,7 @@ def check_save_dir(args: argparse.Namespace) -> None:
                           "--save (or --run-name) for this run")
 
 
-# ---- saving (checkpoint.saver) -----------------------------------------------------------------
+# ---- saving: megapost.checkpoint.saver writes; the cleanup of what a failed save left ----------
 def remove_temp_tags(directory: str) -> None:
     """Delete ``*.tmp`` tags left by a save that never completed."""
     if not os.path.isdir(directory):
@@ -211,21 +211,6 @@ def remove_temp_tags(directory: str) -> None:
                 os.unlink(path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def save(engine: Any, args: argparse.Namespace, iteration: int, consumed: int,
-         plugin_states: dict[str, Any], pstate: Any) -> str:
-    """Save tag ``iter_XXXXXXX`` (:func:`megapost.checkpoint.saver.save`)."""
-    from megapost.checkpoint import saver
-
-    return saver.save(engine, args, iteration, consumed, plugin_states, pstate)
-
-
-def wait_for_saves(raise_errors: bool = True) -> None:
-    """Wait for a background (``--async-save``) save of this rank to finish."""
-    from megapost.checkpoint import saver
-
-    saver.wait_pending(raise_errors)
 
 
 def _has_deepspeed_files(tag_dir: str) -> bool:

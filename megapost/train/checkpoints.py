@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megapost.checkpoint import finite_guard
+from megapost.checkpoint import finite_guard, saver
 from megapost.checkpoint import io as checkpoint_io
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
@@ -40,14 +40,14 @@ class CheckpointManager:
         pending = [t for _, loss, norm, _ in st.losses for t in (loss, norm)]
         finite_guard.refuse_non_finite(self.engine.module.parameters(), pending, st.iteration,
                                        self.args.save, self.device)
-        tag = checkpoint_io.save(self.engine, self.args, st.iteration, st.consumed_samples,
+        tag = saver.save(self.engine, self.args, st.iteration, st.consumed_samples,
                                  self.host.states(), self.pstate)
         done = "saving checkpoint (in the background)" if self.args.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.args.save}/{tag}")
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""
-        checkpoint_io.wait_for_saves(raise_errors)
+        saver.wait_pending(raise_errors)
 
     def continue_logs(self, iteration: int, consumed: int) -> None:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
