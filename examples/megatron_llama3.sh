@@ -42,7 +42,7 @@ NUM_LAYERS=2
 DTYPE="bf16"
 SEQ_LENGTH=64
 MAX_POSITION_EMBEDDINGS=64
-DATA_CACHE_PATH="${PWD}/benchmark_cache_llama3_tiny"
+DATA_CACHE_PATH=${DATA_CACHE_PATH:-"${PWD}/benchmark_cache_llama3_tiny"}
 mkdir -p "$DATA_CACHE_PATH"
 
 if [ "$LAUNCHER" = "deepspeed" ]; then

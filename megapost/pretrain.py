@@ -53,6 +53,7 @@ from megapost.runtime import interrupts
 from megapost.runtime.cpu import bf16_note, set_threads
 from megapost.runtime.distributed import init_distributed, world_size_from_env
 from megapost.runtime.hang_report import CollectiveFailure
+from megapost.runtime.launcher_report import record_for_launcher
 from megapost.runtime.run_dir import apply_named_run, resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.trainer import Trainer
@@ -237,6 +238,7 @@ def exit_once(message: str) -> None:
     """Exit 1 with ``message``, printed once per job: rank 0 prints at once; another rank (which under
     the ``deepspeed`` launcher is stopped as soon as rank 0 exits with the same error) waits first and
     prints only if it is still running, i.e. when the error was its own."""
+    record_for_launcher(message)  # torchrun's failure report names it (runtime/launcher_report.py)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         time.sleep(QUIET_RANK_WAIT_S)
     raise SystemExit(message)
