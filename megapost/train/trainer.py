@@ -253,8 +253,8 @@ class Trainer:
         planned = self.memory.planned
         self.memory_report = {"measured_bytes": measured, "planned_bytes": planned, "measured_as": how}
         ratio = f" ({measured / planned:.2f}x planned)" if planned and "RSS" not in how else ""
-        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank (python -m megapost.plan) | "
-                          f"measured {measured / 2**30:.3f} GB ({how}){ratio}")
+        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank of tensors (python -m "
+                          f"megapost.plan) | measured {measured / 2**30:.3f} GB ({how}){ratio}")
 
     def _grad_norm(self) -> Any:
         """The engine's global grad norm as it keeps it (a device tensor on some paths): converted
