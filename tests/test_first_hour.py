@@ -129,11 +129,31 @@ def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) 
     for flag in ("--apply-layernorm-1p", "--manual-gc", "--attention-backend fused", "--grad-reduce-in-bf16",
                  "--tensorboard-queue-size 5", "--timing-log-level 0", "--sequence-parallel"):
         assert flag in first.stdout, flag
+    unaccounted = [f for f in _script_flags() if f not in first.stdout and f not in _native_flags()]
+    assert not unaccounted, unaccounted  # every Megatron flag of the script is listed at start-up
     second = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16",
                   "--train-samples", "24", "--lr-decay-samples", "24"],
                  LAUNCHER="deepspeed", MASTER_PORT=str(_free_port()), DATA_CACHE_PATH=str(tmp_path / "cache"))
     assert "resumed from" in second.stdout and "at iteration 4" in second.stdout
     assert sorted(read_scalars(tb, "train/lm_loss")) == list(range(1, 7))
+
+
+def _script_flags() -> list[str]:
+    """The training flags of examples/megatron_llama3.sh (its argument arrays, not the launcher's)."""
+    import re
+
+    text = (REPO / "examples" / "megatron_llama3.sh").read_text()
+    body = text[text.index("MODEL_ARGS=("):text.index("$LAUNCHER ")]
+    return sorted(set(re.findall(r"(?m)^\s+(--[a-z][a-z0-9-]*)", body)))
+
+
+def _native_flags() -> set[str]:
+    """megapost's own flags (not the Megatron-LM compatibility group): they need no start-up note."""
+    from megapost.config.arguments import build_parser
+
+    groups = build_parser()._action_groups
+    return {s for g in groups if g.title != "Megatron-LM compatibility" for a in g._group_actions
+            for s in a.option_strings}
 
 
 def _free_port() -> int:
