@@ -136,7 +136,7 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
     args = parse_args(argv, classes)
     threads = set_threads()  # before any heavy work: cores / local ranks unless OMP_NUM_THREADS
     apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
-    args.megatron_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
+    args.start_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
     user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env()
     validate_args(args, world_size)
@@ -217,6 +217,8 @@ def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
                  f"grad accum {args.grad_accum_steps}, peak {peak.describe()}")
     for note in [n for n in (bf16_note(args.bf16, device),) if n]:
+        monitor.line(f" megapost: {note}")
+    for note in args.start_notes:  # what a Megatron command line means here, and what a resume changed
         monitor.line(f" megapost: {note}")
     for note in args.megatron_notes:
         monitor.line(f" megapost: accepted {note}")

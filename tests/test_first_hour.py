@@ -45,7 +45,7 @@ def test_megatron_model_flags_mean_pre_norm_and_every_flag_is_noted() -> None:
                            "--no-create-attention-mask-in-dataloader", "--tensorboard-queue-size", "7",
                            "--log-validation-ppl-to-tensorboard", "--timing-log-level", "1"])
     assert megatron.norm_position == "pre"
-    notes = " ".join(megatron.megatron_notes)
+    notes = " ".join(megatron.start_notes + megatron.megatron_notes)
     for flag in ("Pre-Norm, as Megatron", "--apply-layernorm-1p", "--attention-backend fused",
                  "--cross-entropy-loss-fusion", "--manual-gc", "--no-create-attention-mask-in-dataloader",
                  "--tensorboard-queue-size 7", "--log-validation-ppl-to-tensorboard", "--timing-log-level 1",
@@ -57,7 +57,7 @@ def test_megatron_model_flags_mean_pre_norm_and_every_flag_is_noted() -> None:
 
 def test_preset_never_overrides_a_typed_flag() -> None:
     typed = parse_args(["--preset", "tiny-cpu", "--init-method-std", "0.02"])
-    assert typed.init_variance == "std" and "--init-method-std 0.02 typed" in typed.megatron_notes[0]
+    assert typed.init_variance == "std" and "--init-method-std 0.02 typed" in typed.start_notes[0]
     assert parse_args(["--preset", "tiny-cpu"]).init_variance == "paper"
     assert parse_args(["--preset", "llama-350m"]).bf16
     assert not parse_args(["--preset", "llama-350m", "--no-bf16"]).bf16

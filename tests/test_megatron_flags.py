@@ -59,7 +59,7 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     assert not args.qk_norm and parse_args(["--qk-layernorm"]).qk_norm  # megatron-core's per-head norm
     assert args.norm_position == "pre" and args.init_variance == "std"  # Megatron's model, Megatron's init
     typed_post = parse_args([*megatron_llama_flags(tiny_data, tmp_path), "--norm-position", "post"])
-    assert typed_post.norm_position == "post" and not any("Pre-Norm" in n for n in typed_post.megatron_notes)
+    assert typed_post.norm_position == "post" and not any("Pre-Norm" in n for n in typed_post.start_notes)
     frac = parse_args(["--train-iters", "100", "--lr-warmup-fraction", "0.1"])
     assert frac.lr_warmup_iters == 10
 

@@ -249,8 +249,8 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
     from megapost.config.megatron_habits import mapped_note, resolve_norm_position, typed_init_wins
 
     implied = [resolve_norm_position(args, argv), typed_init_wins(args)]
-    args.megatron_notes = [n for n in implied if n] + apply_megatron_arguments(args)
-    args.megatron_notes += [n for n in (mapped_note(args, argv),) if n]
+    args.megatron_notes = apply_megatron_arguments(args)  # printed as "accepted ..."
+    args.start_notes = [n for n in (*implied, mapped_note(args, argv)) if n]  # printed as they are
     return args
 
 
