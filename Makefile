@@ -9,7 +9,6 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 LAUNCHER ?=
 PYTEST_ARGS ?=
-LAUNCHER ?=
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megapost/torch_extensions
 

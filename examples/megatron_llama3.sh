@@ -7,6 +7,8 @@
 #   - DTYPE=bf16 instead of fp8 (megapost has no fp8; its --fp8-* flags are refused in one line);
 #   - the real-data branch on megapost's embedded corpus, SentencePiece tokenizer (not HF/tiktoken);
 #   - --decoupled-lr/--decoupled-min-lr dropped (refused: megapost has one lr for all parameters);
+#   - --normalization RMSNorm spelled out (Llama's norm; Megatron's default, LayerNorm, is refused here),
+#     and --tensorboard-queue-size, --log-validation-ppl-to-tensorboard, --timing-log-level added;
 #   - PRETRAIN_SCRIPT_PATH is the megapost module, and LAUNCHER=torchrun|deepspeed picks the launcher.
 #
 #   bash examples/megatron_llama3.sh [CHECKPOINT_PATH [TENSORBOARD_LOGS_PATH [TOKENIZER [DATA]]]]
@@ -42,7 +44,7 @@ NUM_LAYERS=2
 DTYPE="bf16"
 SEQ_LENGTH=64
 MAX_POSITION_EMBEDDINGS=64
-DATA_CACHE_PATH="${PWD}/benchmark_cache_llama3_tiny"
+DATA_CACHE_PATH=${DATA_CACHE_PATH:-"${PWD}/benchmark_cache_llama3_tiny"}
 mkdir -p "$DATA_CACHE_PATH"
 
 if [ "$LAUNCHER" = "deepspeed" ]; then

@@ -48,5 +48,8 @@ def run_example(norm: str, script: str, user_argv: Sequence[str]) -> None:
     try:  # signals, launcher death and a busy port are handled before the corpus build
         argv = run_guarded(lambda: example_argv(norm, repo, user_argv))
     except DataError as e:  # e.g. offline on the first run: one line naming the file to place
+        from megapost.runtime.launcher_report import record_for_launcher
+
+        record_for_launcher(f"error: {e}")
         raise SystemExit(f"error: {e}") from None
     main(argv)

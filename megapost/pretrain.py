@@ -14,6 +14,7 @@ from megapost.data import DataError
 from megapost.metrics.tensor_memory import LiveTensorMemory, tensor_memory_from_env
 from megapost.runtime import interrupts
 from megapost.runtime.hang_report import CollectiveFailure
+from megapost.runtime.launcher_report import record_for_launcher
 from megapost.train.build import build
 from megapost.train.prepare import prepare
 
@@ -41,6 +42,7 @@ def exit_once(message: str) -> None:
     """Exit 1 with ``message``, printed once per job: rank 0 prints at once; another rank (which under
     the ``deepspeed`` launcher is stopped as soon as rank 0 exits with the same error) waits first and
     prints only if it is still running, i.e. when the error was its own."""
+    record_for_launcher(message)  # torchrun's failure report names it (runtime/launcher_report.py)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         time.sleep(QUIET_RANK_WAIT_S)
     raise SystemExit(message)

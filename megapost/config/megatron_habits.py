@@ -32,7 +32,8 @@ NOTED: dict[str, str] = {
     "--calculate-per-token-loss": "every micro-batch has the same token count (no loss mask), so the "
                                   "per-token mean equals the mean of micro-batch means",
     "--no-mmap-bin-files": "the .bin is memory-mapped (read-only; the page cache is shared by the ranks)",
-    "--profile": "no profiler is run (the step profile options are ignored); use torch.profiler yourself",
+    "--profile": "no profiler is run: --profile-step-start/--profile-step-end are ignored; use "
+                 "torch.profiler yourself",
 }
 REFUSED: dict[str, str] = {
     "decoupled_lr": "a separate embedding/output lr is not supported; drop --decoupled-lr/--decoupled-min-lr "
@@ -123,6 +124,28 @@ def resolve_norm_position(args: argparse.Namespace, argv: Sequence[str]) -> str 
     shown = ", ".join(markers[:3]) + (", ..." if len(markers) > 3 else "")
     return (f"Megatron model flags ({shown}) and no --norm-position: Pre-Norm, as Megatron's models "
             "(--norm-position post trains the study's Post-Norm)")
+
+
+# Megatron spellings of megapost's own flags, and Megatron's sample counts that become iterations.
+ALIASES = {"--norm-epsilon": ("norm_eps", "--norm-eps"), "--rotary-base": ("rope_theta", "--rope-theta"),
+           "--data-cache-path": ("data_cache_dir", "--data-cache-dir"),
+           "--qk-layernorm": ("qk_norm", "--qk-norm")}
+SAMPLES = {"train_samples": "train_iters", "lr_decay_samples": "lr_decay_iters",
+           "lr_warmup_samples": "lr_warmup_iters", "lr_wsd_decay_samples": "lr_wsd_decay_iters"}
+
+
+def mapped_note(args: argparse.Namespace, argv: Sequence[str]) -> str | None:
+    """The start-up line of the Megatron flags mapped onto megapost's (after apply_megatron_arguments):
+    ``mapped --rotary-base 1e+06 -> --rope-theta, --train-samples 16 -> --train-iters 4``."""
+    typed = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    parts = [f"{flag} {getattr(args, dest)} -> {ours}" for flag, (dest, ours) in ALIASES.items()
+             if flag in typed]
+    parts += [f"--{k.replace('_', '-')} {getattr(args, k)} -> --{v.replace('_', '-')} {getattr(args, v)}"
+              for k, v in SAMPLES.items() if getattr(args, k, None) is not None]
+    if getattr(args, "lr_warmup_fraction", None) is not None:
+        parts.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} -> --lr-warmup-iters "
+                     f"{args.lr_warmup_iters}")
+    return "mapped " + ", ".join(parts) if parts else None
 
 
 def typed_init_wins(args: argparse.Namespace) -> str | None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from megapost.config.arguments import build_parser, parse_with_preset
 from megapost.config.errors import ConfigError
+from megapost.config.megatron_habits import resolve_norm_position
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
 from megapost.plan.collapse_risk import collapse_risk, load_boundary
@@ -23,6 +24,7 @@ from megapost.plan.search import Candidate, candidates, rank_key, recommend
 GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
+DEFAULT_PEAK_NAME = "H100 SXM bf16 dense"
 
 
 DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
@@ -37,7 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-margin", type=float, default=0.10,
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
-    g.add_argument("--fp32", action="store_true", help="plan fp32 training (default: bf16)")
     g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = parse_with_preset(_parser(), argv)
+    args.fp32 = "bf16" in args.explicit and not args.bf16  # --no-bf16 / --fp32 (the trainer's flag)
+    resolve_norm_position(args, argv)  # the trainer's default: Pre-Norm for Megatron model flags
     if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
     return args
@@ -109,6 +112,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}},
                                     norm_kernel=args.norm_kernel)
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
+    peak_source = ("--peak-tflops" if args.peak_tflops
+                   else f"default: {DEFAULT_PEAK_NAME}; --peak-tflops to set")
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
                        memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
                        mfu=args.mfu, clip_grad=args.clip_grad,
@@ -126,6 +131,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "cluster": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                     "gpu_memory_gb": args.gpu_memory_gb,
                     "usable_gb": args.gpu_memory_gb * (1 - args.memory_margin), "peak_tflops": peak,
+                    "peak_source": peak_source,
                     "mfu": args.mfu, "precision": "fp32" if args.fp32 else "bf16",
                     "global_batch_size": args.global_batch_size},
         "candidates": len(cands), "fitting": [_row(c) for c in fitting],
@@ -147,21 +153,21 @@ def render(result: dict, top: int) -> str:
         f"FLOPs per token (fwd+bwd): {result['flops_per_token'] / 1e9:.2f} GFLOP",
         f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
         f"({c['usable_gb']:.1f} usable), {c['precision']}, global batch {c['global_batch_size']} x "
-        f"{m['seq_length']}, {c['peak_tflops']:.0f} TFLOP/s peak at MFU {c['mfu']:.2f}",
+        f"{m['seq_length']}, {c['peak_tflops']:g} TFLOP/s peak ({c['peak_source']}) at MFU {c['mfu']:.2f}",
         f"{len(result['fitting'])} of {result['candidates']} layouts fit; fastest first "
         "(GiB per GPU, worst stage):",
         f"  {'layout':40s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'activ':>7s} {'buffers':>7s} "
-        f"{'peak':>7s} {'step s':>7s} {'tokens/s':>10s}",
+        f"{'peak':>7s} {'step s':>8s} {'tokens/s':>10s}",
     ]
     for row in result["fitting"][:top]:
         g = row["memory_gb"]
         lines.append(f"  {row['label']:40s} {g['weights']:7.2f} {g['gradients']:7.2f} {g['optimizer']:7.2f} "
                      f"{g['activations']:7.2f} {g['buffers']:7.2f} {row['peak_gb']:7.2f} "
-                     f"{row['step_seconds']:7.2f} {row['tokens_per_second']:10.0f}")
+                     f"{row['step_seconds']:8.3g} {row['tokens_per_second']:10.0f}")
     best = result["recommended"]
     if best:
         lines.append(f"recommended: {best['label']} -> {best['peak_gb']:.1f} GiB/GPU, "
-                     f"{best['step_seconds']:.2f} s/step, {best['tokens_per_second']:,.0f} tokens/s "
+                     f"{best['step_seconds']:.3g} s/step, {best['tokens_per_second']:,.0f} tokens/s "
                      f"at MFU {c['mfu']:.2f}")
     else:
         lines.append("recommended: none fits; add GPUs, lower --micro-batch/--seq-length, or use more memory")

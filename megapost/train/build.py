@@ -169,6 +169,8 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
                  f"grad accum {config.data.grad_accum_steps}, peak {peak}")
     for note in [n for n in (bf16_note(config.runtime.bf16, device),) if n]:
         monitor.line(f" megapost: {note}")
+    for note in args.start_notes:  # what a Megatron command line means here, and what a resume changed
+        monitor.line(f" megapost: {note}")
     if config.optimizer.optimizer == "sgd":
         monitor.line(" megapost: --optimizer sgd: the planned memory counts AdamW's two moments (an upper "
                      "bound)")

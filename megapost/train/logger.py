@@ -99,5 +99,5 @@ class TrainLogger:
         planned = self.memory.planned
         self.memory_report = {"measured_bytes": measured, "planned_bytes": planned, "measured_as": how}
         ratio = f" ({measured / planned:.2f}x planned)" if planned and "RSS" not in how else ""
-        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank (python -m megapost.plan) | "
-                          f"measured {measured / 2**30:.3f} GB ({how}){ratio}")
+        self.monitor.line(f" memory: planned {planned / 2**30:.3f} GB/rank of tensors (python -m "
+                          f"megapost.plan) | measured {measured / 2**30:.3f} GB ({how}){ratio}")

@@ -72,7 +72,7 @@ def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
     args, classes = parse(argv)
     threads = set_threads()  # before any heavy work: cores / local ranks unless OMP_NUM_THREADS
     apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
-    args.megatron_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
+    args.start_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
     user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env() if world_size is None else world_size
     validate_args(args, world_size)

@@ -80,6 +80,26 @@ def remove_stale_temps(final_path: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+def current_umask() -> int:
+    """The process umask, read from /proc (no os.umask round trip, which would race other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_default_mode(path: str | os.PathLike[str]) -> None:
+    """``chmod`` ``path`` to what ``open`` would create (0666 less the umask, 0644 by default): writers
+    that go through a private temp (safetensors' ``save_file``, ``mkstemp``) leave files 0600."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -93,7 +113,8 @@ def atomic_path(final_path: str | os.PathLike[str], fsync: bool = True) -> Itera
     """Yield a temp path; on success it is renamed onto ``final_path``, on exception it is deleted.
 
     Readers therefore see either the old file or the complete new one, never a partial write.
-    The parent directory is created if needed.
+    The parent directory is created if needed; the file gets the umask's default mode (0644), whatever
+    mode the writer of the temp gave it.
     """
     final = Path(final_path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +125,7 @@ def atomic_path(final_path: str | os.PathLike[str], fsync: bool = True) -> Itera
             raise FileNotFoundError(f"atomic_path: nothing was written to {tmp} for {final}")
         if fsync:
             _fsync(tmp)
+        give_default_mode(tmp)
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
