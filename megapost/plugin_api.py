@@ -26,14 +26,14 @@ from megapost.data.indexed_dataset import IndexedDataset
 from megapost.engine import accessors
 from megapost.model import LlamaModel, ModelConfig, set_listener
 from megapost.model.init import matrix_std
-from megapost.model.rope import apply_rope
+from megapost.model.rope import apply_rope_tables
 from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
-    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "apply_rope",
+    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "apply_rope_tables",
     "atomic_path", "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
     "split_document_ranges",
 ]

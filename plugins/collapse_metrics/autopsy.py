@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megapost.plugin_api import ConfigError, PluginContext, apply_rope
+from megapost.plugin_api import ConfigError, PluginContext, apply_rope_tables
 
 
 def add_autopsy_arguments(g: argparse._ArgumentGroup) -> None:
@@ -81,8 +81,8 @@ def attention_entropy(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[lis
         k = mod.wk(x).view(b, s, -1, mod.head_dim).transpose(1, 2)
         if mod.q_norm is not None:
             q, k = mod.q_norm(q), mod.k_norm(k)
-        cos, sin = mod._rope_tables(s, x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, signed_sin = mod._rope_tables(s, x.device, q.dtype)  # the attention's own cached tables
+        q, k = apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(mod.head_dim)
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), -math.inf)
