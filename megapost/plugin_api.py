@@ -33,9 +33,9 @@ from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
-    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce", "apply_rope_tables",
-    "atomic_path", "atomic_write_text", "available_plugins", "matrix_std", "plugin_classes", "set_listener",
-    "split_document_ranges",
+    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce",
+    "apply_rope_tables", "atomic_path", "atomic_write_text", "available_plugins", "matrix_std",
+    "plugin_classes", "set_listener", "split_document_ranges",
 ]
 
 ENTRY_POINT_GROUP = "megapost.plugins"
