@@ -21,8 +21,14 @@ VALUES: dict[str, list[str]] = {
     "--data-path": ["other_prefix"], "--split": ["90,9,1"], "--dyt-alpha-init": ["0.5,0.1"],
     "--data-args-path": ["/nonexistent/args.txt"], "--per-split-data-args-path": ["/nonexistent/s.json"],
     "--plugins": ["collapse_metrics"], "--preset": ["paper-180m"],
+    "--norm-position": ["pre"],  # without Megatron model flags the default resolves to post
 }
 SKIP = {"-h", "--help"}
+# Flags that act only beside another one (a preset to override, a feature to tune): walked with it, on a
+# reference run that has it too.
+CONTEXT: dict[str, list[str]] = {
+    "--no-bf16": ["--preset", "paper-180m"], "--fp32": ["--preset", "paper-180m"],
+}
 
 
 def _sources() -> str:
@@ -56,32 +62,37 @@ def _candidates(action: argparse.Action) -> list[list[str]]:
 def _resolved(argv: list[str], classes: list[type]) -> tuple[dict, list[str]]:
     """Parsed and, where the flag is valid on one rank, validated as the trainer does."""
     args = parse_args(argv, classes)
-    notes = list(args.megatron_notes)
     try:
         validate_args(args, 1)
     except ConfigError:
         pass  # e.g. a layout that needs another world size: judged on the parse alone
-    values = {k: v for k, v in vars(args).items() if k not in ("explicit", "megatron_notes")}
+    notes = [*args.megatron_notes, *getattr(args, "start_notes", [])]
+    values = {k: v for k, v in vars(args).items() if k not in ("explicit", "megatron_notes", "start_notes")}
     return values, notes
 
 
 def classify(base: list[str]) -> dict[str, str]:
     classes = plugin_classes("collapse_metrics")
     parser = build_parser(classes)
-    ref, ref_notes = _resolved(base, classes)
+    refs: dict[tuple[str, ...], tuple[dict, list[str]]] = {}
     source = _sources()
     result: dict[str, str] = {}
     for action in parser._actions:
         if not action.option_strings or set(action.option_strings) & SKIP:
             continue
         for argv in _candidates(action):
+            context = CONTEXT.get(argv[0], [])
+            if tuple(context) not in refs:
+                refs[tuple(context)] = _resolved([*base, *context], classes)
+            ref, ref_notes = refs[tuple(context)]
             try:
-                values, notes = _resolved([*base, *argv], classes)
+                values, notes = _resolved([*base, *context, *argv], classes)
             except (ConfigError, SystemExit):
                 kind = "refused"
             else:
                 changed = {k for k in set(values) | set(ref) if values.get(k) != ref.get(k)}
-                read = re.search(rf"(args|cfg|config)\.{action.dest}\b|[\"']{action.dest}[\"']", source)
+                # read by the product: as a flag (args.x) or a typed-config field (config.runtime.x, opt.x)
+                read = re.search(rf"\w\.{action.dest}\b|[\"']{action.dest}[\"']", source)
                 if notes != ref_notes:
                     kind = "noted"
                 elif changed - {action.dest}:

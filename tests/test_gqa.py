@@ -219,7 +219,7 @@ def test_trainer_runs_gqa_and_prints_the_split(tiny_data) -> None:
     from megapost.parallel import padded_vocab_size
 
     out = pretrain(tiny_model_flags(tiny_data, **{"--num-query-groups": 2, "--group-query-attention": True,
-                                                  "--train-iters": 2}))
+                                                  "--train-iters": 2, "--norm-position": "post"}))
     cfg = ModelConfig(vocab_size=padded_vocab_size(tiny_data.vocab_size), num_layers=2, hidden_size=64,
                       ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
     assert f" megapost: {cfg.parameter_summary()}, norm=post" in out.stdout, out.stdout

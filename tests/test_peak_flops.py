@@ -70,7 +70,7 @@ def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) 
     monkeypatch.setattr(peak_flops, "measure_matmul_tflops", fake_measure)
     first = resolve_peak(0.0, torch.bfloat16, CPU)
     assert first.tflops == 1.25
-    assert "measured bf16 matmul on this CPU, best of 9 runs, cached in" in first.source
+    assert "measured bf16 matmul on this CPU, best of several sizes x 3 runs, cached in" in first.source
     again = resolve_peak(0.0, torch.bfloat16, CPU)
     assert again.tflops == 1.25 and calls == [torch.bfloat16]  # reused, not measured again
     date = json.loads(cache_file().read_text()).popitem()[1]["date"]

@@ -92,6 +92,12 @@ def apply_habits(args: argparse.Namespace) -> list[str]:
         if args.tensorboard_queue_size < 1:
             raise ConfigError(f"--tensorboard-queue-size {args.tensorboard_queue_size}: must be >= 1")
         notes.append(f"--tensorboard-queue-size {args.tensorboard_queue_size} (TensorBoard writer queue)")
+    if "manual_gc_eval" in args.explicit:
+        notes.append("--no-manual-gc-eval (megapost does not collect around validation)")
+    for dest in ("profile_step_start", "profile_step_end"):
+        if dest in args.explicit:
+            notes.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (no profiler is run; use "
+                         "torch.profiler yourself)")
     if "timing_log_level" in args.explicit:
         notes.append(f"--timing-log-level {args.timing_log_level} (only the step time is logged)")
     if "empty_unused_memory_level" in args.explicit:

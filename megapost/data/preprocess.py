@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -109,6 +110,9 @@ _worker_encoder: _Encoder | None = None
 
 def _init_worker(tokenizer_model: str, keys: Sequence[str], append_eod: bool, dtype: np.dtype) -> None:
     global _worker_encoder
+    # a forked worker inherits the parent's signal handlers (megapost's trainer defers or ignores
+    # SIGTERM): restore the default so that Pool.terminate() always ends it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = _Encoder(SentencePieceTokenizer(tokenizer_model), keys, append_eod, dtype)
 
 

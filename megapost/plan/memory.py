@@ -36,8 +36,9 @@ tables; RMSNorm runs in fp32 and saves its fp32 input; residual adds save nothin
   the sublayer's full-sequence input e*T*h (under SP the all-gathered copy the column-parallel linears
   keep);
   attention: e*T*(2h + 2kv)/t (q, k after RoPE, v, SDPA's output, which W_O reads as a view)
-  + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 8*s*d_head; with per-head Q/K(/V) norms
-  (--qk-norm, HybridNorm) each is an RMSNorm over rows of d_head (``norm_bytes`` of T*heads/t rows),
+  + 4*b*s*a/t (log-sum-exp) + the block's cached RoPE tables 2*e*s*d_head (cos and signed sin in the
+  activations' dtype); with per-head Q/K(/V) norms (--qk-norm, HybridNorm) each is an RMSNorm over
+  rows of d_head (``norm_bytes`` of T*heads/t rows),
   and SDPA's output no longer has W_O's layout, so W_O keeps its own copy e*T*h/t;
   SwiGLU: 4 e*T*f/t (W_1 and W_3 outputs, SiLU output, their product).
 
@@ -167,7 +168,8 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool
     attn_rule, ffn_rule = cfg.rules(layer_number)
     norms = sum(int(r.norm_input is not None) + int(r.output_norm) for r in (attn_rule, ffn_rule))
     sublayers = norms * stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) + 2 * e * t_all * h
-    attention = e * t_all * (2 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp) + 8 * s * cfg.head_dim
+    rope_tables = 2 * e * s * cfg.head_dim  # cos and signed sin, cached in the activations' dtype
+    attention = e * t_all * (2 * h // tp + 2 * kv) + 4 * micro_batch * s * (a // tp) + rope_tables
     if attn_rule.qkv_norm or cfg.qk_norm:
         rows = [t_all * (a // tp), t_all * kv_heads] + ([t_all * kv_heads] if attn_rule.qkv_norm else [])
         attention += sum(norm_bytes(n, cfg.head_dim, e == 2, norm_kernel) for n in rows) + e * t_all * h // tp

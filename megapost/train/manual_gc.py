@@ -19,7 +19,7 @@ class ManualGC(Plugin):
         gc.disable()
         gc.collect()
 
-    def after_iteration(self, iteration: int, trainer: Any) -> None:
+    def after_iteration(self, iteration: int) -> None:
         if self.interval and iteration % self.interval == 0:
             gc.collect()
 
