@@ -155,7 +155,7 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
         assert f"nnodes=2, num_local_procs=2, node_rank={node}" in log and "dist_world_size=4" in log
     assert "{'localhost': [0, 1], '127.0.0.1': [2, 3]}" in node0  # DeepSpeed's global_rank_mapping
     assert "(TP,PP,DP)=(2,1,2)" in node1  # the logging rank is the last one, global rank 3 on node 1
-    runs = [p for p in (tmp_path / "run").iterdir() if not p.is_symlink()]
+    runs = [p for p in (tmp_path / "run").iterdir() if p.is_dir() and not p.is_symlink()]  # not `latest`
     assert len(runs) == 1  # rank 0 named the run for both nodes
     _assert_same_losses(runs[0] / "tensorboard", example_reference)
 
