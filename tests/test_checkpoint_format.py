@@ -119,6 +119,22 @@ def test_async_save_retention_kill9_and_exact_resume(tiny_data, tmp_path) -> Non
     assert _tags(ckpt) == ["iter_0000002", "iter_0000006"]  # the torn temp tag was removed
 
 
+def test_async_snapshot_is_taken_before_the_next_optimizer_step(tiny_data, tmp_path) -> None:
+    # the background thread copies the state while step 3 runs; MEGAPOST_SLOW_SNAPSHOT stalls that copy
+    # after its first tensor for 2 s, so without the wait at the optimizer step the rest of iteration 2's
+    # snapshot would hold step 3's weights and moments: resuming from it must match the run bit for bit
+    ckpt = tmp_path / "ckpt"
+    out = pretrain(_flags(tiny_data, **{"--train-iters": 4, "--save": ckpt, "--save-interval": 2,
+                                        "--async-save": True, "--tensorboard-dir": tmp_path / "tb"}),
+                   MEGAPOST_SLOW_SNAPSHOT="2:2")
+    assert "saving checkpoint (in the background)" in out.stdout
+    expected = _losses(tmp_path / "tb")
+    (ckpt / "latest").write_text("iter_0000002")
+    pretrain(_flags(tiny_data, **{"--train-iters": 4, "--load": ckpt, "--tensorboard-dir": tmp_path / "tb2"}))
+    resumed = _losses(tmp_path / "tb2")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == expected[s] for s in resumed)
+
+
 def test_megatron_load_flags(tiny_data, tmp_path) -> None:
     """--finetune: the weights only (iteration 0, fresh schedule); --no-load-optim: the iteration goes
     on, optimizer and schedule start fresh (Megatron's meaning); --no-load-rng with it."""

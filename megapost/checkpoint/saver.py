@@ -8,7 +8,9 @@ manifest, renames the tag, replaces ``latest`` (both atomic) and applies ``--sav
 whose write fails leaves ``layout_free/.failed-rankN`` (its error) so rank 0 stops waiting; a killed
 rank leaves a ``.tmp`` tag that ``latest`` never names and the next save removes.
 
-The next save, the end of training and an interrupt wait for a background save
+Under ``--async-save`` the host snapshot is taken by the background thread while the next step's
+forward and backward run; the optimizer step, a rollback and a load wait for it first
+(:func:`before_state_changes`). The next save, the end of training and an interrupt wait for a background save
 (:func:`wait_pending`); its errors (a full disk: one line naming the last complete tag) surface there.
 """
 
@@ -55,6 +57,7 @@ class _Save:
     written: int = 0
     done_at: float = 0.0  # time.perf_counter() when the background write ended
     cpu_s: float = 0.0  # CPU time the background thread used
+    snapshot: sharded.Snapshot | None = None  # until the training thread has waited for it
 
     @property
     def tmp_dir(self) -> str:
@@ -106,19 +109,20 @@ def _wait_for_files(job: _Save) -> None:
         time.sleep(0.02)
 
 
-def _test_pause(tag: str) -> Any:
+def _test_pause(tag: str, var: str = "MEGAPOST_SLOW_SAVE") -> Any:
     """``MEGAPOST_SLOW_SAVE=ITER:SECONDS`` (tests: kill -9 during a write): the save of iteration ITER
-    sleeps SECONDS with its first file half written."""
-    spec = os.environ.get("MEGAPOST_SLOW_SAVE", "")
+    sleeps SECONDS with its first file half written; ``MEGAPOST_SLOW_SNAPSHOT``: with its async
+    snapshot's first tensor copied (the next optimizer step must wait)."""
+    spec = os.environ.get(var, "")
     if ":" not in spec or tag != f"iter_{int(spec.split(':')[0]):07d}":
         return None
     return lambda: time.sleep(float(spec.split(":")[1]))
 
 
-def _finish(job: _Save, files: sharded.RankFiles, event: Any) -> None:
+def _finish(job: _Save, files: sharded.RankFiles) -> None:
     """Write this rank's files; rank 0 then publishes the tag and applies retention."""
     try:
-        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, event, _test_pause(job.tag))
+        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, _test_pause(job.tag))
         if job.rank == 0:
             _wait_for_files(job)
             lf.write_manifest(job.tmp_dir)
@@ -133,11 +137,12 @@ def _finish(job: _Save, files: sharded.RankFiles, event: Any) -> None:
         raise
 
 
-def _background(job: _Save, files: sharded.RankFiles, event: Any) -> None:
-    with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU, not training's
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
     try:
-        _finish(job, files, event)
+        snapshot.take()  # at training's priority: the next optimizer step waits for it
+        with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        _finish(job, snapshot.files)
     except BaseException as e:  # surfaces in wait_pending
         job.error = e
     finally:
@@ -148,6 +153,16 @@ def _error(e: BaseException, job: _Save) -> BaseException:
     if isinstance(e, OSError):
         return checkpoint_safety.write_error(e, job.tmp_dir, job.previous) or e
     return e
+
+
+def before_state_changes() -> None:
+    """Call before anything changes the saved state (the optimizer step, a rollback, a load): blocks
+    until a background save's host snapshot is taken (host tensors), or orders the device's copies
+    before the current stream's next kernels (CUDA; no host synchronisation). Cheap when none."""
+    job = _pending
+    if job is not None and job.snapshot is not None:
+        job.snapshot.wait()
+        job.snapshot = None
 
 
 def wait_pending(raise_errors: bool = True) -> int:
@@ -200,13 +215,13 @@ def save(engine: Any, args: Any, iteration: int, consumed: int, plugin_states: d
             _barrier()
         files = sharded.rank_files(engine, pstate, args, client)
         if getattr(args, "async_save", False):
-            snapshot, event = _POOL.snapshot(files)
-            job.thread = threading.Thread(target=_background, args=(job, snapshot, event), daemon=True,
+            job.snapshot = _POOL.snapshot(files, _test_pause(tag, "MEGAPOST_SLOW_SNAPSHOT"))
+            job.thread = threading.Thread(target=_background, args=(job, job.snapshot), daemon=True,
                                           name=f"megapost-save-{tag}")
             _pending = job
             job.thread.start()
             return tag
-        _finish(job, files, None)
+        _finish(job, files)
         _barrier()
     except OSError as e:
         raise _error(e, job) from None

@@ -11,14 +11,16 @@ local shape and the fragment's (start, numel); any layout reassembles the slices
 (``layout_free.ShardIndex``). Weights are the fp32 masters (the bf16 weights are their rounding).
 The logging rank also writes ``layout_free/state.safetensors`` (scheduler, counters, config, layout).
 
-Nothing is gathered across ranks: a save's host memory is this rank's own shard (an async snapshot)
-or nothing but a fixed staging buffer (synchronous saves stream from the live tensors).
+Nothing is gathered across ranks: a save's host memory is this rank's own shard (an async snapshot,
+taken while the next step's forward and backward run) or nothing but a fixed staging buffer
+(synchronous saves stream from the live tensors).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -116,7 +118,12 @@ def _state_file(engine: Any, pstate: Any, args: Any, client: dict[str, Any],
 
 
 class HostPool:
-    """Host copies of a rank's files for an async save, reused from save to save (pinned on CUDA)."""
+    """Host copies of a rank's files for an async save, reused from save to save (pinned on CUDA).
+
+    The copy is taken off the training thread's critical path: host tensors are copied by the
+    background writer while the next step's forward and backward run (the optimizer step waits for the
+    copy: :meth:`Snapshot.wait`); device tensors are copied on a side stream that the next optimizer
+    step's stream waits on (no host synchronisation)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
@@ -129,31 +136,63 @@ class HostPool:
             self._buffers[key] = buf
         return buf
 
-    def snapshot(self, files: RankFiles) -> tuple[RankFiles, Any]:
-        """(host copy, event to wait on before reading it): device copies are queued on the current
-        stream (training's later kernels come after them), host tensors copied now."""
-        out = RankFiles()
-        on_device = False
+    def snapshot(self, files: RankFiles, pause: Any = None) -> Snapshot:
+        """The host copy of ``files`` to be (queued on device now; on host: :meth:`Snapshot.take`)."""
+        out, pairs = RankFiles(), []
         for rel, entries, header in files.files:
             copied = []
             for name, t in entries:
                 buf = self._buffer(rel, name, t)
-                buf.copy_(t, non_blocking=t.device.type == "cuda")
-                on_device |= t.device.type == "cuda"
+                pairs.append((buf, t))
                 copied.append((name, buf))
             out.files.append((rel, copied, header))
-        event = None
-        if on_device:
-            event = torch.cuda.Event()
-            event.record()
-        return out, event
+        return Snapshot(out, pairs, pause)
 
 
-def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, event: Any = None,
-                     pause: Any = None) -> int:
+class Snapshot:
+    """A pending host copy: ``take()`` (the writer thread) copies, ``wait()`` (the training thread,
+    before anything changes the state) blocks until it is taken — or, for device tensors, makes the
+    current stream wait for the side-stream copies."""
+
+    def __init__(self, files: RankFiles, pairs: list[tuple[torch.Tensor, torch.Tensor]], pause: Any) -> None:
+        self.files, self._pause = files, pause
+        self._host = [(b, t) for b, t in pairs if t.device.type != "cuda"]
+        self._taken = threading.Event()
+        self._event = None
+        device = [(b, t) for b, t in pairs if t.device.type == "cuda"]
+        if device:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for buf, t in device:
+                    buf.copy_(t, non_blocking=True)
+                    t.record_stream(stream)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        if not self._host:
+            self._taken.set()
+
+    def take(self) -> None:
+        """Copy the host tensors (the writer thread), then let training change them again."""
+        try:
+            for i, (buf, t) in enumerate(self._host):
+                buf.copy_(t)
+                if i == 0 and self._pause is not None:
+                    self._pause()
+        finally:
+            self._taken.set()
+        if self._event is not None:
+            self._event.synchronize()  # the device copies are on the host before the write reads them
+
+    def wait(self) -> None:
+        self._taken.wait()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, pause: Any = None) -> int:
     """Write this rank's files into ``tag_dir`` (each atomically); returns bytes written."""
-    if event is not None:
-        event.synchronize()
     total = 0
     for rel, entries, header in files.files:
         total += write_safetensors(os.path.join(tag_dir, rel), entries, {"megapost": json.dumps(header)},

@@ -45,6 +45,10 @@ class CheckpointManager:
         done = "saving checkpoint (in the background)" if self.args.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.args.save}/{tag}")
 
+    def before_state_changes(self) -> None:
+        """Before the optimizer step, a rollback or a load: a background save's snapshot is taken."""
+        saver.before_state_changes()
+
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""
         saver.wait_pending(raise_errors)
@@ -56,6 +60,7 @@ class CheckpointManager:
         self.monitor.resume(iteration, consumed * self.args.seq_length)
 
     def load(self) -> None:
+        saver.before_state_changes()
         it, consumed, states = checkpoint_io.load(self.engine, self.args, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         self.host.load_states(states)
@@ -75,6 +80,7 @@ class CheckpointManager:
     def restore(self, snap: dict[str, Any], skip_data: bool = False) -> None:
         """Engine, schedule, RNG and counters back to ``snap``; ``skip_data`` keeps the data position."""
         eng = self.engine
+        saver.before_state_changes()
         eng.module.load_state_dict(snap["module"])
         eng.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))  # it keeps (and updates) the tensors
         eng.lr_scheduler.load_state_dict(snap["scheduler"])

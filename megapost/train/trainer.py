@@ -76,6 +76,7 @@ class Trainer:
 
     def before_optimizer_step(self) -> None:
         """The engine hook (megapost.engine.hooks): gradients reduced, not yet applied."""
+        self.checkpoints.before_state_changes()  # an async save's snapshot is taken before the step
         self.host.before_optimizer_step(self.state.iteration + 1)
 
     def evaluate(self) -> float:
