@@ -13,6 +13,7 @@ from megapost.config.errors import ConfigError
 from megapost.data import DataError
 from megapost.metrics.tensor_memory import LiveTensorMemory, tensor_memory_from_env
 from megapost.runtime import interrupts
+from megapost.runtime.distributed import process_group_scope
 from megapost.runtime.hang_report import CollectiveFailure
 from megapost.runtime.launcher_report import record_for_launcher
 from megapost.train.build import build
@@ -23,7 +24,7 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, validate, build and train; returns the loss history (used by tests). With
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
     log line shows the measured peak beside the planner's prediction (slower; for CPU checks)."""
-    with tensor_memory_from_env() as tracker:
+    with tensor_memory_from_env() as tracker, process_group_scope():
         return _run(argv, tracker)
 
 

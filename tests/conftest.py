@@ -68,6 +68,23 @@ class TinyData:
         return getattr(self, key)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that runs the trainer in this process (``megapost.pretrain.main``) must not leave its
+    process group (or the world-of-one variables) to the tests after it: megapost.pretrain ends them."""
+    import os
+
+    import torch.distributed as dist
+
+    before, rank = dist.is_initialized(), os.environ.get("RANK")
+    yield
+    leaked = not before and dist.is_initialized()
+    if leaked:
+        dist.destroy_process_group()
+    assert not leaked, "this test left a torch.distributed process group initialised"
+    assert os.environ.get("RANK") == rank, "this test left RANK set in the environment"
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
     from megapost.data import IndexedDataset, SentencePieceTokenizer, preprocess, train_tokenizer

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 
 import deepspeed
 import torch
@@ -82,3 +84,31 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+WORLD_OF_ONE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def process_group_scope() -> Iterator[None]:
+    """The process group a run creates ends with it: destroyed after a run of this process (as
+    torchtitan does at the end of training) and after an error in a world of one, so a caller that goes
+    on (an in-process test, a notebook) is left as it was, the world-of-one variables included. A
+    failed multi-rank run keeps its group: destroying one whose peers may be inside a collective can
+    block (NCCL), and the process is about to exit anyway."""
+    had_group = torch.distributed.is_initialized()
+    env = {k: os.environ.get(k) for k in WORLD_OF_ONE}
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        if not had_group and torch.distributed.is_initialized() and (ok or alone):
+            torch.distributed.destroy_process_group()
+        if env["RANK"] is None:  # init_distributed set a world of one for plain `python`
+            for key in WORLD_OF_ONE:
+                if env[key] is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = env[key]
