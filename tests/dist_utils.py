@@ -48,7 +48,10 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any
         import deepspeed
         import deepspeed.utils.logging as ds_logging
 
+        from megapost.runtime.distributed import skip_cpu_shm_op_build
+
         ds_logging.logger.setLevel("WARNING")
+        skip_cpu_shm_op_build()  # as megapost's own start-up does: no ~1 min C++ build of an unused op
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
                                    timeout=timedelta(seconds=180))
         result = fn(*args)

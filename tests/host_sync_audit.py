@@ -11,12 +11,6 @@ from dist_utils import run_ranks
 COUNTED = (3, 5)  # [first counted iteration, first iteration not counted)
 
 
-def _no_shm_build() -> None:
-    from megapost.runtime.distributed import skip_cpu_shm_op_build
-
-    skip_cpu_shm_op_build()
-
-
 def _audit(argv: list[str]) -> dict[str, int]:
     from megapost.metrics.host_syncs import HostSyncCounter
     from megapost.pretrain import run
@@ -50,4 +44,4 @@ def count_syncs(data: Any, world: int, flags: list[str]) -> list[dict[str, int]]
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--train-iters", "5", "--log-interval", "100", "--eval-interval", "0", "--peak-tflops", "1",
             "--lr-warmup-iters", "1", "--seed", "7", *flags]
-    return run_ranks(_audit, world, argv, timeout=600, setup=_no_shm_build)
+    return run_ranks(_audit, world, argv, timeout=600)

@@ -9,12 +9,6 @@ TRACED = 3  # the iteration whose last micro-batch is traced
 REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce")
 
 
-def _no_shm_build() -> None:
-    from megapost.runtime.distributed import skip_cpu_shm_op_build
-
-    skip_cpu_shm_op_build()
-
-
 def _trace(argv: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -66,4 +60,4 @@ def trace(data: Any, world: int, flags: list[str]) -> list[dict[str, Any]]:
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2", "--eval-interval", "0",
             "--peak-tflops", "1", "--lr-warmup-iters", "1", "--seed", "7", *flags]
-    return run_ranks(_trace, world, argv, timeout=600, setup=_no_shm_build)
+    return run_ranks(_trace, world, argv, timeout=600)

@@ -4,6 +4,7 @@ Pre-Norm with identical settings does not — asserted from the logged collapse_
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from launch_utils import pretrain
@@ -32,8 +33,9 @@ def news(tmp_path_factory):
 
 def test_post_norm_collapses_and_pre_norm_does_not(news, tmp_path) -> None:
     prefix, tokenizer = map(str, news)
-    post_steps, post, post_log = _run("post", prefix, tokenizer, tmp_path / "post")
-    pre_steps, pre, pre_log = _run("pre", prefix, tokenizer, tmp_path / "pre")
+    with ThreadPoolExecutor(2) as pool:  # two one-thread runs side by side: one per core
+        runs = [pool.submit(_run, norm, prefix, tokenizer, tmp_path / norm) for norm in ("post", "pre")]
+        (post_steps, post, post_log), (pre_steps, pre, pre_log) = (r.result() for r in runs)
 
     def grad_ratio(layers: dict, step: int) -> float:  # layer-1 / layer-12 parameter gradient norm
         return layers[(step, 1, "attn")]["grad_norm_layer"] / layers[(step, 12, "attn")]["grad_norm_layer"]
