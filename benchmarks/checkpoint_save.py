@@ -136,10 +136,10 @@ def rss(a: argparse.Namespace) -> None:
 def _child_async(out: str, flags: list[str]) -> None:
     from megapost import pretrain
     from megapost.checkpoint import saver
-    from megapost.train.trainer import Trainer
+    from megapost.train.step import StepRunner
 
     events: dict[str, list] = {"steps": [], "saves": []}
-    real_step, real_save = Trainer.train_step, saver.save
+    real_step, real_save = StepRunner.train_step, saver.save
 
     def step(self, n):
         t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def _child_async(out: str, flags: list[str]) -> None:
         events["saves"].append([t0, t1, job])
         return tag
 
-    Trainer.train_step, saver.save = step, save
+    StepRunner.train_step, saver.save = step, save
     pretrain.main(flags)
     saves = []
     for t0, t1, job in events["saves"]:

@@ -261,3 +261,20 @@ def test_bad_layout_is_printed_once_by_the_launcher(tiny_data, tmp_path) -> None
     errors = [line for line in text.splitlines() if "error: invalid parallel layout" in line]
     assert len(errors) == 1 and "--num-attention-heads 4 is not divisible by" in errors[0], text[-3000:]
     assert "Traceback" not in text
+
+
+def test_finite_check_agrees_with_an_elementwise_mask() -> None:
+    """all_finite (min/max reduction) against torch.isfinite on every element, bad values anywhere."""
+    import torch
+
+    from megapost.checkpoint.finite_guard import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    for bad in (float("nan"), float("inf"), float("-inf"), None):
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in ((), (1,), (7, 5), (1000,)):
+                t = torch.randn(shape, generator=gen).to(dtype)
+                if bad is not None:
+                    t.view(-1)[int(torch.randint(t.numel(), (1,), generator=gen))] = bad
+                want = bool(torch.isfinite(t).all())
+                assert all_finite([t, torch.zeros(0), torch.arange(3), 2.5], torch.device("cpu")) == want
