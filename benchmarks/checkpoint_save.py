@@ -12,7 +12,7 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
 
     nice python benchmarks/checkpoint_save.py bytes
     nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
-    nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768
+    nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768 --seq 128 --iters 91 --interval 30
     nice python benchmarks/checkpoint_save.py kill9 --iters 8 --trials 3
 """
 
@@ -138,8 +138,13 @@ def _child_async(out: str, flags: list[str]) -> None:
     from megapost.checkpoint import saver
     from megapost.train.step import StepRunner
 
-    events: dict[str, list] = {"steps": [], "saves": []}
-    real_step, real_save = StepRunner.train_step, saver.save
+    events: dict[str, list] = {"steps": [], "saves": [], "waits": []}
+    real_step, real_save, real_wait = StepRunner.train_step, saver.save, saver.before_state_changes
+
+    def wait() -> None:  # the optimizer step waiting for an async snapshot
+        t0 = time.perf_counter()
+        real_wait()
+        events["waits"].append(time.perf_counter() - t0)
 
     def step(self, n):
         t0 = time.perf_counter()
@@ -155,7 +160,7 @@ def _child_async(out: str, flags: list[str]) -> None:
         events["saves"].append([t0, t1, job])
         return tag
 
-    StepRunner.train_step, saver.save = step, save
+    StepRunner.train_step, saver.save, saver.before_state_changes = step, save, wait
     pretrain.main(flags)
     saves = []
     for t0, t1, job in events["saves"]:
@@ -164,7 +169,8 @@ def _child_async(out: str, flags: list[str]) -> None:
             job.thread.join()
             end, cpu = job.done_at, job.cpu_s
         saves.append((t0, t1, end, cpu))
-    json.dump({"steps": events["steps"], "saves": saves}, open(os.path.join(out, "events.json"), "w"))
+    json.dump({"steps": events["steps"], "saves": saves, "snapshot_wait_s": sum(events["waits"])},
+              open(os.path.join(out, "events.json"), "w"))
 
 
 def _lost(events: dict) -> tuple[list[float], list[float]]:
@@ -193,7 +199,9 @@ def async_(a: argparse.Namespace) -> None:
         if mode == "async":
             cpu = statistics.mean(c for *_, c in events["saves"][:-1])
             wall = statistics.mean(e - s1 for _, s1, e, _ in events["saves"][:-1])
-            print(f"async background write: {wall:.2f} s wall, {cpu:.2f} s CPU of its thread per save")
+            waited = events["snapshot_wait_s"] / len(events["saves"])
+            print(f"async background write: {wall:.2f} s wall, {cpu:.2f} s CPU of its thread per save; the "
+                  f"optimizer step waited {waited:.3f} s per save for the host snapshot")
     sync_wall = statistics.mean(res["sync"][0])
     blocking, lost = (statistics.mean(x) for x in res["async"])
     print(f"sync save wall {sync_wall:.2f} s; async: save() blocks {blocking:.3f} s, training time lost per "
