@@ -8,12 +8,15 @@ and ``--compile`` (tokens/s, MFU in Megatron's convention and the causal half, p
 planner), Llama-1.3B-width and 7B-width slices (few layers, seq 4096, GQA 8) with and without
 activation checkpointing, the collapse_metrics overhead at intervals 1 and 10, a host-sync audit of
 non-logging steps (``torch.cuda.set_sync_debug_mode`` on CUDA, ``HostSyncCounter`` everywhere), the
-top kernels of one step (torch.profiler) and the same model's bare-PyTorch step on the same device.
+top kernels of one step (torch.profiler), the same model's bare-PyTorch step on the same device, and
+``--async-save`` (time lost per save / a synchronous save; the background-written shard against the
+weights at the save).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -136,11 +139,64 @@ def overhead(shape: tuple, o: argparse.Namespace, base: float) -> list[dict[str,
 
     rows = []
     for interval in (1, 10):
-        row = measure(f"collapse_metrics interval {interval}", shape, ["--collapse-interval", str(interval)],
-                      o, plugins=tuple(plugin_classes("collapse_metrics")))
+        flags = ["--plugins", "collapse_metrics", "--collapse-interval", str(interval)]
+        row = measure(f"collapse_metrics interval {interval}", shape, flags, o,
+                      plugins=tuple(plugin_classes("collapse_metrics")))
         row["overhead"] = row["s_per_step"] / base - 1.0
         rows.append(row)
     return rows
+
+
+def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) -> dict[str, Any]:
+    """save() and the o.steps steps after it; the written fp32 masters against the bf16 weights the
+    model held at the save (their rounding: a snapshot torn by the later steps would differ)."""
+    from safetensors import safe_open
+
+    from megapost.checkpoint import layout_free as lf
+
+    device, cfg = trainer.device, trainer.engine.module.config
+    params = lf.local_parameters(trainer.engine.module, cfg.num_layers, False)
+    at_save = {k: p.detach().clone() for k, p in params.items()}
+    _sync(device)
+    t0 = time.perf_counter()
+    trainer.save()
+    blocked = time.perf_counter() - t0
+    over = (_time_steps(step, device, 0, o.steps) - base) * o.steps
+    t1 = time.perf_counter()
+    trainer.checkpoints.wait()
+    tag = os.path.join(trainer.config.checkpoint.save, f"iter_{trainer.state.iteration:07d}")
+    exact = True
+    with safe_open(os.path.join(tag, lf.DIR, lf.shard_file_v2(0, 0, 0)), framework="pt") as f:
+        for name, want in at_save.items():
+            got = f.get_tensor(f"fp32/{name}").to(want.dtype).view(want.shape)
+            exact &= torch.equal(got.to(want.device), want)
+    return {"blocked_s": blocked, "overlapped_extra_s": max(0.0, over),
+            "waited_after_steps_s": time.perf_counter() - t1, "snapshot_exact": exact}
+
+
+def _next_step(trainer: Any, numbers: Any) -> Any:
+    return trainer.train_step(next(numbers))
+
+
+def async_save(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
+    """--async-save on this device: training time lost per save (save() blocking + how much the steps
+    that overlap the background write slow down) / a synchronous save's wall time (the issue-18 ratio),
+    and whether the shard written in the background is the state at the save."""
+    import tempfile
+
+    out: dict[str, Any] = {"case": "async save (paper-180m shape)"}
+    for mode in ("sync", "async"):
+        with tempfile.TemporaryDirectory(prefix="gpu-suite-save-") as d:
+            flags = ["--save", d, "--save-interval", "0", *(["--async-save"] if mode == "async" else [])]
+            trainer, _, _ = _trainer(shape, flags)
+            step = functools.partial(_next_step, trainer, iter(range(1, 10**9)))
+            base = _time_steps(step, trainer.device, o.warmup, o.steps)
+            out[mode] = _save_and_step(trainer, step, o, base)
+            trainer = step = None
+            gc.collect()
+    sync_wall = out["sync"]["blocked_s"]
+    out["lost_over_sync_wall"] = (out["async"]["blocked_s"] + out["async"]["overlapped_extra_s"]) / sync_wall
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -185,10 +241,15 @@ def main() -> None:
         for ckpt in ([], ["--checkpoint-activations"]):
             rows.append(measure(f"{width}{' ckpt' if ckpt else ''}", shapes[width], ckpt, o))
     rows += overhead(shapes["paper-180m"], o, rows[0]["s_per_step"])
+    save = async_save(shapes["paper-180m"], o)
     with open(o.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                   "dry_run": o.dry_run, "rows": rows}, f, indent=1, default=str)
+                   "dry_run": o.dry_run, "rows": rows, "async_save": save}, f, indent=1, default=str)
     print(table(rows))
+    sync, asy = save["sync"], save["async"]
+    print(f"--async-save: training time lost per save / sync save wall = {save['lost_over_sync_wall']:.3f} "
+          f"(sync {sync['blocked_s']:.2f} s; async blocks {asy['blocked_s']:.3f} s, overlapped steps "
+          f"+{asy['overlapped_extra_s']:.3f} s); snapshot exact: {asy['snapshot_exact']}")
     print(f"wrote {o.out}")
 
 

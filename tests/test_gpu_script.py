@@ -18,3 +18,6 @@ def test_gpu_sh_dry_run(tmp_path) -> None:
     first = result["rows"][0]
     assert first["host_syncs"]["counted"] == 0 and first["top_kernels"] and first["tokens_per_s"] > 0
     assert {"1.3b-width ckpt", "7b-width", "collapse_metrics interval 10"} <= set(cases)
+    save = result["async_save"]  # written in the background while steps ran, equal to the state at the save
+    assert save["async"]["snapshot_exact"] and save["sync"]["snapshot_exact"]
+    assert save["lost_over_sync_wall"] >= 0
