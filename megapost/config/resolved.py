@@ -179,14 +179,10 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
 
 
 def engine_config(a: argparse.Namespace, device_type: str) -> EngineConfig:
+    """The engine section of validated flags on a ``device_type`` rank."""
     zero_stage, overlap, reduce_notes = grad_reduction(a, device_type)
     return EngineConfig(a.global_batch_size, a.micro_batch_size, a.grad_accum_steps, a.clip_grad,
                         bool(a.bf16), zero_stage, overlap, bool(a.grad_reduce_in_bf16), reduce_notes)
-
-
-def parallel_config(a: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.sequence_parallel,
-                          a.data_parallel_size, a.distributed_backend, a.distributed_timeout_minutes)
 
 
 def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> Config:
@@ -197,7 +193,9 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
     cache = a.data_cache_dir or os.path.join(os.path.dirname(os.path.abspath(a.data_path)), "index-cache")
     return Config(
         model=model,
-        parallel=parallel_config(a),
+        parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                a.sequence_parallel, a.data_parallel_size, a.distributed_backend,
+                                a.distributed_timeout_minutes),
         data=DataConfig(a.data_sources, a.split, cache, a.tokenizer_type, a.tokenizer_model, a.seq_length,
                         a.micro_batch_size, a.global_batch_size, a.grad_accum_steps,
                         a.train_iters * a.global_batch_size,

@@ -120,9 +120,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
-    log = config.logging
-    interrupts.PROGRESS.save, interrupts.PROGRESS.run_name = config.checkpoint.save, log.run_name
-    interrupts.PROGRESS.runs_dir = log.runs_dir
+    log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
+    progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
     interrupts.forget_port_check()
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
