@@ -79,7 +79,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
 
     real = saver.save
 
-    def measured(engine, args, iteration, consumed, plugins, pstate):
+    def measured(engine, config, iteration, consumed, plugins, pstate):
         from megapost.checkpoint import layout_free as lf
 
         lf._link_state(engine)
@@ -93,14 +93,14 @@ def _child_rss(out: str, flags: list[str]) -> None:
         s = Sampler()
         s.start()
         t0 = time.perf_counter()
-        tag = real(engine, args, iteration, consumed, plugins, pstate)
+        tag = real(engine, config, iteration, consumed, plugins, pstate)
         written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
         seconds = time.perf_counter() - t0
         peak = s.stop()
         rank = pstate.global_rank
         from megapost.checkpoint.layout_free import shard_file_v2
 
-        shard = os.path.join(args.save, tag, "layout_free",
+        shard = os.path.join(config.checkpoint.save, tag, "layout_free",
                              shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
         nbytes = written or os.path.getsize(shard)  # async: rank 0 may not have published the tag yet
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

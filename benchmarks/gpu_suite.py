@@ -90,9 +90,11 @@ def measure(name: str, shape: tuple, flags: list[str], o: argparse.Namespace, ba
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     ds_config = trainer.engine._config._param_dict
-    row["planned_gb"] = planned_rank_peak(cfg, args, trainer.pstate, ds_config) / 2**30
+    planned = planned_rank_peak(cfg, trainer.config.data, trainer.config.runtime, trainer.pstate, ds_config)
+    row["planned_gb"] = planned / 2**30
     if bare:
-        loop = BareLoop(cfg, args, "bf16", args.micro_batch_size, args.grad_accum_steps, device)
+        loop = BareLoop(cfg, trainer.config.optimizer, "bf16", args.micro_batch_size, args.grad_accum_steps,
+                        device)
         row["bare_s_per_step"] = _time_steps(loop.step, device, o.warmup, o.steps)
         row["megapost_over_bare"] = seconds / row["bare_s_per_step"]
     if o.audit and not plugins:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from bench_common import add_model_args, build_trainer, synthetic_batches
 
+from megapost.config.resolved import OptimizerConfig
 from megapost.engine.optimizer import build_optimizer
 from megapost.metrics.peak_flops import measure_matmul_tflops
 from megapost.model import LlamaModel, ModelConfig, lm_loss
@@ -43,16 +44,16 @@ class BareLoop:
     """A plain PyTorch training step of ``LlamaModel``: ``mode`` is fp32, autocast (fp32 weights,
     bf16 autocast) or bf16 (bf16 weights, fp32 master weights and fp32 gradient accumulation)."""
 
-    def __init__(self, cfg: ModelConfig, args: argparse.Namespace, mode: str, micro: int, accum: int,
+    def __init__(self, cfg: ModelConfig, opt: OptimizerConfig, mode: str, micro: int, accum: int,
                  device: torch.device | None = None) -> None:
-        self.mode, self.accum, self.clip = mode, accum, args.clip_grad
+        self.mode, self.accum, self.clip = mode, accum, opt.clip_grad
         self.device = device or torch.device("cpu")  # the device megapost trains on: same-device ratios
         self.model = LlamaModel(cfg).to(self.device)
         self.batches: Iterator[dict[str, torch.Tensor]] = synthetic_batches(cfg.vocab_size, micro,
                                                                             cfg.seq_length)
         if mode != "bf16":
             self.params = list(self.model.parameters())
-            self.optimizer = build_optimizer(self.model, args)
+            self.optimizer = build_optimizer(self.model, opt)
             return
         master = LlamaModel(cfg).to(self.device)  # same initial weights, fp32, stepped by the optimizer
         self.master = list(master.parameters())
@@ -61,7 +62,7 @@ class BareLoop:
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = torch.zeros_like(m)
             p.register_post_accumulate_grad_hook(self._accumulator(m))
-        self.optimizer = build_optimizer(master, args)
+        self.optimizer = build_optimizer(master, opt)
 
     @staticmethod
     def _accumulator(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -128,12 +129,13 @@ def main() -> None:
     if b.threads:
         torch.set_num_threads(b.threads)
     precision = ["--bf16"] if b.bf16 else []
-    trainer, cfg, args = build_trainer(b, precision)
+    trainer, cfg, _ = build_trainer(b, precision)
+    opt = trainer.config.optimizer
     variants: dict[str, Callable[[], Any]] = {"megapost": lambda: float(trainer.train_step(1))}
     pairs: list[tuple[str, str, str]] = []  # (numerator, denominator, what and target)
     if b.bf16:
-        bare = BareLoop(cfg, args, "bf16", b.micro, b.accum, trainer.device)
-        autocast = BareLoop(cfg, args, "autocast", b.micro, b.accum, trainer.device)
+        bare = BareLoop(cfg, opt, "bf16", b.micro, b.accum, trainer.device)
+        autocast = BareLoop(cfg, opt, "autocast", b.micro, b.accum, trainer.device)
         fp32, _, _ = build_trainer(b, [])
         variants.update({"bare bf16": bare.step, "bare autocast": autocast.step,
                          "megapost fp32": lambda: float(fp32.train_step(1))})
@@ -142,7 +144,7 @@ def main() -> None:
                   ("megapost fp32", "megapost", "megapost fp32 / bf16 = bf16 speedup (target >= 2.0)"),
                   ("bare autocast", "bare bf16", "bare autocast / bare bf16")]
     else:
-        bare = BareLoop(cfg, args, "fp32", b.micro, b.accum, trainer.device)
+        bare = BareLoop(cfg, opt, "fp32", b.micro, b.accum, trainer.device)
         variants["bare fp32"] = bare.step
         pairs.append(("megapost", "bare fp32", "fp32 megapost / bare fp32 (target <= 1.10)"))
     if b.compile:  # warm-up (run_rounds) compiles; all blocks share one graph

@@ -3,18 +3,20 @@
 
 The trainer never imports a plugin; it calls ``Plugin``'s methods at fixed points. On steps for which
 ``wants_step`` is False nothing else is called, so a plugin costs nothing there. A plugin sees the run
-through its ``PluginContext`` (flags, model config, parallel layout, writers; once the trainer is built,
-this rank's parameters and the gradient part it owns, an lr-scale request, in-memory snapshot/restore),
-never the Trainer or the DeepSpeed engine. The names re-exported below are the rest of megapost a plugin
-may use (import-linter holds ``collapse_metrics`` to this module).
+through its ``PluginContext`` (the flags, read-only; model config, parallel layout, writers; once the
+trainer is built, this rank's parameters and the gradient part it owns, an lr-scale request, in-memory
+snapshot/restore), never the Trainer, the DeepSpeed engine or the parser's Namespace. The names
+re-exported below are the rest of megapost a plugin may use (import-linter holds ``collapse_metrics``
+to this module).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +34,7 @@ from megapost.parallel.state import ParallelState
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "ConfigError", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
+    "ENTRY_POINT_GROUP", "ConfigError", "Flags", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
     "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce",
     "apply_rope_tables", "atomic_path", "atomic_write_text", "available_plugins", "matrix_std",
     "plugin_classes", "set_listener", "split_document_ranges",
@@ -61,13 +63,48 @@ class PluginServices(Protocol):
     def optimizer_hyperparameters(self) -> dict[str, Any]: ...
 
 
+class Flags:
+    """Every parsed flag by dest (``Config.flags``: plugins' own included), read-only, by attribute
+    (``flags.collapse_interval``) or ``flags.get(dest, default)``; a copy, never the parser's Namespace."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        try:
+            return values[name]
+        except KeyError:
+            raise AttributeError(f"no flag {name!r}") from None
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return Flags, (dict(self._values),)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"flags are read-only (set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"flags are read-only (delete {name!r})")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._values.get(name, default)
+
+    def __repr__(self) -> str:
+        return f"Flags({dict(self._values)!r})"
+
+
 @dataclass
 class PluginContext:
-    """What a plugin may use: the run's arguments, model config, parallel layout and log sinks; from the
-    trainer (``bind``, before the first step) this rank's parameters and gradients, lr scaling and
-    in-memory rollback."""
+    """What a plugin may use: the run's flags (read-only), model config, parallel layout and log sinks;
+    from the trainer (``bind``, before the first step) this rank's parameters and gradients, lr scaling
+    and in-memory rollback."""
 
-    args: argparse.Namespace
+    flags: Flags
     model_config: ModelConfig
     parallel: ParallelState
     tensorboard_dir: str | None

@@ -14,7 +14,7 @@ from collapse_metrics.plugin import CollapseMetricsPlugin
 from megapost.model import LlamaModel, ModelConfig, lm_loss
 from megapost.model.norm import DyT, RMSNorm
 from megapost.parallel.state import ParallelState
-from megapost.plugin_api import PluginContext
+from megapost.plugin_api import Flags, PluginContext
 
 Batch = dict[str, torch.Tensor]
 
@@ -33,8 +33,8 @@ def plugin_args(*argv: str) -> argparse.Namespace:
 
 def make_plugin(cfg: ModelConfig, *argv: str, pstate: ParallelState | None = None, tb_dir: str | None = None,
                 writer: Any = None) -> CollapseMetricsPlugin:
-    ctx = PluginContext(args=plugin_args(*argv), model_config=cfg, parallel=pstate or ParallelState(),
-                        tensorboard_dir=tb_dir, writer=writer)
+    ctx = PluginContext(flags=Flags(vars(plugin_args(*argv))), model_config=cfg,
+                        parallel=pstate or ParallelState(), tensorboard_dir=tb_dir, writer=writer)
     return CollapseMetricsPlugin(ctx)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megapost.config.arguments import parse_args
+from megapost.config.resolved import engine_config
 from megapost.engine.ds_config import build_ds_config
 from megapost.model import lm_loss
 from megapost.model import loss as loss_mod
@@ -55,10 +56,11 @@ def test_rms_norm_in_bf16_equals_upcast_math() -> None:
 def test_bf16_config_keeps_fp32_accumulation_and_reduction() -> None:
     args = parse_args(["--bf16", "--data-path", "x", "--tokenizer-model", "x", "--micro-batch-size", "2",
                        "--global-batch-size", "4"])
-    args.grad_accum_steps = 2
-    config = build_ds_config(args, {})
+    args.grad_accum_steps, args.data_parallel_size = 2, 1
+    engine = engine_config(args, "cpu")
+    config = build_ds_config(engine, {})
     assert config["zero_optimization"]["stage"] == 1 and config["data_types"]["grad_accum_dtype"] == "fp32"
     assert config["communication_data_type"] == "fp32" and config["bf16"]["immediate_grad_update"]
-    user = build_ds_config(args, {"communication_data_type": "bf16",
+    user = build_ds_config(engine, {"communication_data_type": "bf16",
                                   "bf16": {"immediate_grad_update": False}})
     assert user["communication_data_type"] == "bf16" and not user["bf16"]["immediate_grad_update"]

@@ -1,55 +1,99 @@
 """The typed config and the build path's pieces that need no training: ``resolve`` is pure and frozen,
-``args.json``'s content round-trips, ``--optimizer`` builds Megatron's optimizers or is refused in one
-line. (Training through ``build`` is what every layout test and pretrain test does.)"""
+``args.json``'s content round-trips, the gradient reduction is resolved once, ``--optimizer`` builds
+Megatron's optimizers or is refused in one line, and the Namespace stops at the composition root.
+(Training through ``build`` is what every layout test and pretrain test does.)"""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from megapost.config.errors import ConfigError
 from megapost.config.resolved import resolve
+from megapost.engine.ds_config import build_ds_config
+from megapost.engine.grad_reduce import configure_grad_reduction
 from megapost.engine.optimizer import build_optimizer
+from megapost.metrics.monitor import Monitor
+from megapost.parallel.state import ParallelState
+from megapost.plugin_api import Flags, Plugin
+from megapost.train.build import build_plugins
 from megapost.train.prepare import prepare
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def _prepare(data, *flags: str):
+
+def _prepare(data, *flags: str, world_size: int = 1):
     from launch_utils import tiny_model_flags
 
-    return prepare(tiny_model_flags(data, **{"--train-iters": 6}) + list(flags), world_size=1)
+    return prepare(tiny_model_flags(data, **{"--train-iters": 6}) + list(flags), world_size=world_size)
 
 
 def test_resolve_is_pure_frozen_and_what_ran(tiny_data) -> None:
     prep = _prepare(tiny_data, "--bf16", "--zero-stage", "0", "--global-batch-size", "8")
     before = copy.deepcopy(vars(prep.args))
-    config = resolve(prep.args, prep.model)
+    config = resolve(prep.args, prep.model, "cpu")
     assert vars(prep.args) == before  # reads the flags, changes none
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.optimizer.lr = 1.0  # type: ignore[misc]
     assert config.model is prep.model
-    assert config.runtime.zero_stage == 1  # --bf16 runs DeepSpeed's ZeRO-1 bf16 optimizer
+    assert config.engine.zero_stage == 1  # --bf16 runs DeepSpeed's ZeRO-1 bf16 optimizer
     assert config.data.grad_accum_steps == 4 and config.data.train_samples == 6 * 8
     assert config.data.valid_samples == 0  # --eval-interval 0
     written = json.loads(json.dumps(config.to_json(), default=str))
     assert written["hidden_size"] == 64 and written["zero_stage"] == 1  # flat: every flag by name
     assert written["resolved"]["optimizer"]["lr"] == pytest.approx(3e-3)
     assert set(written["resolved"]) == {"model", "parallel", "data", "optimizer", "checkpoint", "logging",
-                                        "runtime"}
+                                        "runtime", "engine"}
+
+
+@pytest.mark.parametrize("flags, device, stage, overlap", [
+    ((), "cpu", 1, False), ((), "cuda", 2, True),  # by default overlapped on GPUs: bf16 then needs ZeRO-2
+    (("--overlap-grad-reduce",), "cpu", 2, True), (("--zero-stage", "1"), "cuda", 1, False),
+    (("--no-overlap-grad-reduce",), "cuda", 1, False)])
+def test_grad_reduction_is_resolved_once(tiny_data, flags, device, stage, overlap) -> None:
+    """The ZeRO stage and overlap the engine runs are in the config (and its flags, as args.json and the
+    checkpoints record them); DeepSpeed's config is generated from them, the Namespace left as parsed."""
+    prep = _prepare(tiny_data, "--bf16", *flags, world_size=2)
+    config = resolve(prep.args, prep.model, device)
+    engine = config.engine
+    assert (engine.zero_stage, engine.overlap_grad_reduce) == (stage, overlap)
+    assert (config.flags["zero_stage"], config.flags["overlap_grad_reduce"]) == (stage, overlap)
+    assert prep.args.overlap_grad_reduce == {"--overlap-grad-reduce": True,
+                                             "--no-overlap-grad-reduce": False}.get(flags[:1] and flags[0])
+    ds = build_ds_config(engine, {})
+    notes = configure_grad_reduction(ds, engine, torch.nn.Linear(64, 64))
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == stage and zero.get("overlap_comm", False) == overlap
+    assert ds["data_types"]["grad_accum_dtype"] == "fp32"
+    assert any("overlapped with backward" in n for n in notes) == overlap
+    if "--zero-stage" in flags:
+        assert any("not overlapped" in n for n in notes)
+
+
+def test_grad_reduce_in_bf16_needs_bf16(tiny_data) -> None:
+    prep = _prepare(tiny_data, "--grad-reduce-in-bf16")
+    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16: needs --bf16"):
+        resolve(prep.args, prep.model, "cpu")
 
 
 def test_optimizer_flag_builds_megatron_optimizers(tiny_data) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     prep = _prepare(tiny_data, "--optimizer", "sgd")
-    sgd = build_optimizer(model, resolve(prep.args, prep.model).optimizer)
+    sgd = build_optimizer(model, resolve(prep.args, prep.model, "cpu").optimizer)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9  # Megatron's default
     assert [g["weight_decay"] for g in sgd.param_groups] == [0.1, 0.0]  # no decay on 1-D parameters
-    zero = build_optimizer(model, _prepare(tiny_data, "--optimizer", "sgd", "--sgd-momentum", "0").args)
+    momentum0 = _prepare(tiny_data, "--optimizer", "sgd", "--sgd-momentum", "0")
+    zero = build_optimizer(model, resolve(momentum0.args, momentum0.model, "cpu").optimizer)
     assert zero.defaults["momentum"] == 0.0
-    adam = build_optimizer(model, _prepare(tiny_data).args)
+    adam_prep = _prepare(tiny_data)
+    adam = build_optimizer(model, resolve(adam_prep.args, adam_prep.model, "cpu").optimizer)
     assert isinstance(adam, torch.optim.AdamW) and adam.defaults["fused"]
 
 
@@ -57,3 +101,70 @@ def test_unknown_optimizer_is_refused_in_one_line(tiny_data) -> None:
     with pytest.raises(ConfigError) as err:
         _prepare(tiny_data, "--optimizer", "adamw")
     assert str(err.value) == "error: --optimizer adamw: megapost supports adam (AdamW) or sgd"
+
+
+# ---- the Namespace stops at the composition root ------------------------------------------------------
+BELOW_THE_ROOT = ["megapost/checkpoint", "megapost/engine", "megapost/runtime", "megapost/metrics",
+                  "megapost/train", "megapost/plan/__init__.py", "megapost/plugin_api.py",
+                  "plugins/collapse_metrics/plugin.py", "plugins/collapse_metrics/guard.py",
+                  "plugins/collapse_metrics/autopsy.py"]
+THE_ROOT = {  # parse, check, resolve (megapost.config and the planner's own CLI are not below it)
+    "megapost/train/prepare.py": "parses the flags and checks them before any process group forms",
+    "megapost/train/build.py": "resolves them (megapost.config.resolved) and passes sections on",
+    "megapost/runtime/run_dir.py": "--run-name/--runs-dir rewrite --save, --tensorboard-dir and --load "
+                                   "before resolve; called from prepare and build only",
+}
+PARSER_TYPES = {"ArgumentParser", "_ArgumentGroup"}  # a plugin's add_arguments declares its flags
+
+
+def namespace_leaks(path: Path) -> list[str]:
+    """Where ``path`` takes or names the parser's Namespace: ``Namespace`` anywhere, a parameter called
+    ``args`` (but a tuple: torch's dispatch arguments), or argparse imported for anything but declaring
+    flags."""
+    found, parser_uses, imported = [], set(), False
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if name == "Namespace":
+            found.append(f"{node.lineno}: Namespace")
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "argparse":
+            parser_uses |= {node.attr} & PARSER_TYPES
+        if isinstance(node, ast.Import):
+            imported |= "argparse" in [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            found.append(f"{node.lineno}: from argparse import")
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            found += [f"{node.lineno}: {node.name}(args)" for a in params if a.arg == "args"
+                      and not (a.annotation and ast.unparse(a.annotation).startswith("tuple"))]
+    if imported and not parser_uses:
+        found.append("import argparse (not to declare flags)")
+    return found
+
+
+def test_the_namespace_stops_at_the_composition_root(tmp_path) -> None:
+    files = [f for entry in BELOW_THE_ROOT
+             for f in ([ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py")))]
+    leaks = {f.relative_to(ROOT).as_posix(): namespace_leaks(f) for f in files}
+    leaks = {k: v for k, v in leaks.items() if v and k not in THE_ROOT}
+    assert not leaks, f"the argparse Namespace below the composition root: {leaks}"
+    assert all(namespace_leaks(ROOT / f) for f in THE_ROOT)  # the check sees what the root does
+    bad = tmp_path / "bad.py"
+    bad.write_text("import argparse\ndef f(args: argparse.Namespace) -> None: ...\n")
+    assert set(namespace_leaks(bad)) == {"2: Namespace", "2: f(args)",
+                                         "import argparse (not to declare flags)"}
+
+
+def test_plugins_get_a_read_only_copy_of_the_resolved_flags(tiny_data) -> None:
+    prep = _prepare(tiny_data, "--bf16", "--manual-gc")
+    config = resolve(prep.args, prep.model, "cpu")
+    plugins = build_plugins([Plugin], config, ParallelState(), Monitor(None, enabled=False))
+    try:
+        flags = plugins[0].ctx.flags
+        assert isinstance(flags, Flags) and plugins[1].ctx.flags is flags  # --manual-gc's plugin too
+        assert flags.zero_stage == 1 and flags.hidden_size == 64  # as resolved (the parse said 0)
+        with pytest.raises(AttributeError):
+            flags.hidden_size = 1
+        assert not any(isinstance(v, argparse.Namespace) for v in vars(plugins[0].ctx).values())
+    finally:
+        for plugin in plugins:
+            plugin.close()

@@ -80,9 +80,9 @@ def _assert_same_logits(model: LlamaModel, hf: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_equals_megapost_and_imports_back(tiny_data, tmp_path, case) -> None:
-    from megapost.checkpoint.hf import apply_hf_flags
     from megapost.config.arguments import parse_args
     from megapost.config.model_config import model_config_from_args
+    from megapost.train.prepare import apply_hf_flags
 
     model, cfg = _model(tiny_data.vocab_size, **CASES[case])
     out = _export(model, cfg, tiny_data.tokenizer_model, tmp_path / f"hf-{case}")

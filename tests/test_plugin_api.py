@@ -5,6 +5,7 @@ gradient access, and one clear error before binding."""
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 from types import SimpleNamespace
 
@@ -14,14 +15,14 @@ import torch
 from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.model import ModelConfig
 from megapost.parallel.state import ParallelState
-from megapost.plugin_api import Plugin, PluginContext
+from megapost.plugin_api import Flags, Plugin, PluginContext
 from megapost.train.plugin_binding import bind_plugins
 
 
 def _context() -> PluginContext:
     cfg = ModelConfig(vocab_size=16, num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
                       seq_length=4)
-    return PluginContext(args=argparse.Namespace(), model_config=cfg, parallel=ParallelState(),
+    return PluginContext(flags=Flags({}), model_config=cfg, parallel=ParallelState(),
                          tensorboard_dir=None)
 
 
@@ -29,6 +30,26 @@ def _engine(module: torch.nn.Module) -> SimpleNamespace:
     opt = torch.optim.SGD(module.parameters(), lr=1.0)
     sched = WarmupDecaySchedule(opt, lr=0.1, min_lr=0.01, warmup=4, decay_iters=20, style="linear")
     return SimpleNamespace(module=module, optimizer=opt, lr_scheduler=sched, fp16_enabled=lambda: False)
+
+
+def test_context_flags_are_a_read_only_copy() -> None:
+    """A plugin reads every flag by attribute but can change none, and never holds the Namespace."""
+    args = argparse.Namespace(collapse_interval=5, train_iters=10)
+    ctx = _context()
+    ctx.flags = Flags(vars(args))
+    flags = ctx.flags
+    assert (flags.collapse_interval, flags.get("train_iters"), flags.get("missing", 3)) == (5, 10, 3)
+    assert "train_iters" in flags and not isinstance(flags, argparse.Namespace)
+    with pytest.raises(AttributeError, match="read-only"):
+        flags.collapse_interval = 1
+    with pytest.raises(AttributeError, match="read-only"):
+        del flags.train_iters
+    with pytest.raises(AttributeError, match="no flag 'missing'"):
+        _ = flags.missing
+    with pytest.raises(TypeError):
+        flags._values["collapse_interval"] = 1  # type: ignore[index]
+    args.collapse_interval = 7  # the parser's Namespace changing later is not seen
+    assert flags.collapse_interval == 5 and copy.deepcopy(flags).collapse_interval == 5
 
 
 def test_unbound_context_refuses_in_one_line() -> None:

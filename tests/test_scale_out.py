@@ -271,7 +271,7 @@ def test_new_groups_take_the_distributed_timeout(tmp_path) -> None:
 import argparse, torch, deepspeed.comm as ds_dist
 from megapost.runtime.distributed import init_distributed
 args = argparse.Namespace(local_rank=0, distributed_backend="gloo", distributed_timeout_minutes=0.25)
-init_distributed(args)
+init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
 cpu = torch.device("cpu")
 print("timeouts", ds_dist.new_group([0])._get_backend(cpu).options._timeout.total_seconds(),
       torch.distributed.group.WORLD._get_backend(cpu).options._timeout.total_seconds())

@@ -96,7 +96,7 @@ def test_tokenizer_vocab_must_cover_dataset(tiny_data, tmp_path, capsys) -> None
 
 
 def test_deepspeed_config_values_are_adopted_when_flags_are_not_typed(tmp_path) -> None:
-    from megapost.engine.ds_config import reconcile_with_user_config
+    from megapost.config.deepspeed_json import reconcile_with_user_config
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 1}}))
@@ -131,7 +131,7 @@ def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
 
 @pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
 def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_zero, zero, refused) -> None:
-    from megapost.checkpoint.io import META_FILE, check_layout
+    from megapost.checkpoint.io import META_FILE, RunLayout, check_layout
     from megapost.config.errors import ConfigError
 
     (tmp_path / "iter_0000002").mkdir()
@@ -141,8 +141,9 @@ def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_z
     (tmp_path / "iter_0000002" / META_FILE).write_text(json.dumps(meta))
     args = parse_args(["--load", str(tmp_path), "--zero-stage", str(zero)])
     args.data_parallel_size = 1
+    run = RunLayout.of(vars(args))
     if refused:
         with pytest.raises(ConfigError, match="ZeRO optimizer shards for 2 data-parallel ranks"):
-            check_layout(args)
+            check_layout(str(tmp_path), run)
     else:
-        check_layout(args)  # ZeRO-0 checkpoints hold full optimizer state: any DP size may resume
+        check_layout(str(tmp_path), run)  # ZeRO-0 checkpoints hold full optimizer state: any DP size resumes

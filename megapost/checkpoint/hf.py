@@ -249,18 +249,6 @@ def _has_gqa() -> bool:
     return "num_query_groups" in getattr(ModelConfig, "__dataclass_fields__", {})
 
 
-def apply_hf_flags(args: Any) -> None:
-    """Fill the model flags from ``--load-hf``'s config; a typed flag that disagrees is refused."""
-    flags = model_flags_from_hf(args.load_hf)
-    args.hf_vocab_size = flags.pop("hf_vocab_size")
-    for dest, value in flags.items():
-        ours = getattr(args, dest, None)
-        if dest in args.explicit and ours != value:
-            raise ConfigError(f"--{dest.replace('_', '-')} {ours} disagrees with --load-hf {args.load_hf} "
-                              f"({value}); drop the flag")
-        setattr(args, dest, value)
-
-
 class HFReader:
     """Slices of the tensors of a Hugging Face safetensors directory (single file or sharded)."""
 

@@ -168,13 +168,14 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # ----------------------------------------------------------------------------- save
 
 
-def layout_of(args: Any) -> dict[str, Any]:
+def layout_of(*, tensor_model_parallel_size: int, pipeline_model_parallel_size: int, data_parallel_size: int,
+              zero_stage: int, bf16: bool, sequence_parallel: bool) -> dict[str, Any]:
     """What makes DeepSpeed's own files layout-specific (the effective ZeRO stage: bf16 runs use >= 1)."""
-    zero = max(1, args.zero_stage) if args.bf16 else args.zero_stage
-    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "zero_stage": zero, "bf16": bool(args.bf16),
-            "sequence_parallel": bool(args.sequence_parallel)}
+    zero = max(1, zero_stage) if bf16 else zero_stage
+    return {"tensor_model_parallel_size": tensor_model_parallel_size,
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            "data_parallel_size": data_parallel_size, "zero_stage": zero, "bf16": bool(bf16),
+            "sequence_parallel": bool(sequence_parallel)}
 
 
 def write_manifest(tag_dir: str) -> None:

@@ -32,6 +32,7 @@ from megapost.checkpoint import io, retention, sharded
 from megapost.checkpoint import layout_free as lf
 from megapost.checkpoint import safety as checkpoint_safety
 from megapost.checkpoint.stream_write import Staging
+from megapost.config.resolved import Config
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 FAILED = ".failed-rank"
@@ -178,43 +179,43 @@ def wait_pending(raise_errors: bool = True) -> int:
     return job.written
 
 
-def _write_meta(args: Any, tmp_dir: str, tag: str, iteration: int) -> None:
-    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT, "ckpt_format": args.ckpt_format,
-            "tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage,
-            "model": io.model_shape(args)}
+def _write_meta(run: io.RunLayout, ckpt_format: str, tmp_dir: str, tag: str, iteration: int) -> None:
+    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT, "ckpt_format": ckpt_format,
+            "tensor_model_parallel_size": run.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": run.pipeline_model_parallel_size,
+            "data_parallel_size": run.data_parallel_size, "zero_stage": run.zero_stage,
+            "model": run.shape}
     with atomic_path(os.path.join(tmp_dir, io.META_FILE)) as tmp, open(tmp, "w") as f:
         json.dump(meta, f)
 
 
-def save(engine: Any, args: Any, iteration: int, consumed: int, plugin_states: dict[str, Any],
+def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_states: dict[str, Any],
          pstate: Any) -> str:
-    """Save tag ``iter_XXXXXXX``: this rank's shard (``checkpoint.sharded``), DeepSpeed's files too
-    under ``--ckpt-format deepspeed``; returns at once under ``--async-save`` (the write goes on in a
-    background thread), else when the tag is published."""
+    """Save tag ``iter_XXXXXXX`` into ``config.checkpoint.save``: this rank's shard
+    (``checkpoint.sharded``), DeepSpeed's files too under ``--ckpt-format deepspeed``; returns at once
+    under ``--async-save`` (the write goes on in a background thread), else when the tag is published."""
     global _pending
     wait_pending()
+    ckpt, run = config.checkpoint, io.RunLayout.of(config.flags)
     tag = f"iter_{iteration:07d}"
     expected = [f"{lf.DIR}/{n}" for n in [*sharded.all_shard_files(pstate), lf.STATE]]
-    job = _Save(args.save, tag, pstate.global_rank, expected, io.last_complete(args.save),
-                getattr(args, "save_retain", 0),
-                getattr(args, "save_retain_every", 0), args.save_interval,
-                60.0 * getattr(args, "distributed_timeout_minutes", 10.0))
+    job = _Save(ckpt.save, tag, pstate.global_rank, expected, io.last_complete(ckpt.save),
+                ckpt.save_retain, ckpt.save_retain_every, ckpt.save_interval,
+                60.0 * config.parallel.distributed_timeout_minutes)
     client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": io.rng_state(),
               "plugins": plugin_states,
-              "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+              "args": {k: v for k, v in config.flags.items() if isinstance(v, (int, float, str, bool))}}
     try:
         if job.rank == 0:
-            io.remove_temp_tags(args.save)
+            io.remove_temp_tags(ckpt.save)
         _barrier()
         if job.rank == 0:
-            _write_meta(args, job.tmp_dir, tag, iteration)
-        if getattr(args, "ckpt_format", "megapost") == "deepspeed":
-            engine.save_checkpoint(args.save, tag=tag + io.TMP_SUFFIX, client_state=client, save_latest=False)
+            _write_meta(run, ckpt.ckpt_format, job.tmp_dir, tag, iteration)
+        if ckpt.ckpt_format == "deepspeed":
+            engine.save_checkpoint(ckpt.save, tag=tag + io.TMP_SUFFIX, client_state=client, save_latest=False)
             _barrier()
-        files = sharded.rank_files(engine, pstate, args, client)
-        if getattr(args, "async_save", False):
+        files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
+        if ckpt.async_save:
             job.snapshot = _POOL.snapshot(files, _test_pause(tag, "MEGAPOST_SLOW_SNAPSHOT"))
             job.thread = threading.Thread(target=_background, args=(job, job.snapshot), daemon=True,
                                           name=f"megapost-save-{tag}")

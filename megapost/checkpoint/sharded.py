@@ -69,8 +69,9 @@ def _fragments(engine: Any, p: torch.nn.Parameter, dp_rank: int,
     return 0, p.numel(), {k: v.detach().reshape(-1).float() for k, v in values.items()}
 
 
-def rank_files(engine: Any, pstate: Any, args: Any, client: dict[str, Any]) -> RankFiles:
-    """This rank's files for a tag, as views of the live state (no copy)."""
+def rank_files(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[str, Any]) -> RankFiles:
+    """This rank's files for a tag, as views of the live state (no copy); ``layout``: the run's
+    (``layout_free.layout_of``), recorded in the state file."""
     cfg = engine.module.config
     shapes = lf.full_shapes(cfg)
     params = lf.local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
@@ -95,18 +96,18 @@ def rank_files(engine: Any, pstate: Any, args: Any, client: dict[str, Any]) -> R
     out = RankFiles([(os.path.join(lf.DIR, shard_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)),
                       entries, header)])
     if pstate.is_logging_rank:
-        out.files.append(_state_file(engine, pstate, args, client, step))
+        out.files.append(_state_file(engine, pstate, layout, client, step))
     return out
 
 
-def _state_file(engine: Any, pstate: Any, args: Any, client: dict[str, Any],
+def _state_file(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[str, Any],
                 step: int | None) -> tuple[str, list[tuple[str, torch.Tensor]], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     header = {
         "format": FORMAT, "iteration": client["iteration"],
         "consumed_train_samples": client["consumed_train_samples"], "adam_step": step,
-        "scheduler": scheduler, "model_config": asdict(engine.module.config), "layout": lf.layout_of(args),
+        "scheduler": scheduler, "model_config": asdict(engine.module.config), "layout": layout,
         "args": client.get("args", {}),
         "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                    "skipped_steps": engine.skipped_steps},

@@ -1,7 +1,8 @@
-"""The resolved, typed configuration: one pure ``resolve(args, model)`` after parsing and validation
-turns the flags (presets applied, Megatron flags mapped, batch arithmetic and run directory done)
-into frozen sections, each the input of one part of the build (megapost.train.build). ``to_json``
-is the run's ``args.json``: every flag by name (flat, as before) and the sections under ``resolved``."""
+"""The resolved, typed configuration: one pure ``resolve(args, model, device_type)`` after parsing and
+validation turns the flags (presets applied, Megatron flags mapped, batch arithmetic and run directory
+done) into frozen sections, each the input of one part of the build (megapost.train.build); the
+Namespace goes no further. ``to_json`` is the run's ``args.json``: every flag by name (flat, as before)
+and the sections under ``resolved``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
+from megapost.config.errors import ConfigError
 from megapost.model.config import ModelConfig
 
 
@@ -69,6 +71,13 @@ class CheckpointConfig:
     load_hf: str | None
     save_interval: int
     trust_checkpoint: bool
+    ckpt_format: str
+    async_save: bool
+    save_retain: int
+    save_retain_every: int
+    finetune: bool
+    no_load_optim: bool
+    no_load_rng: bool
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,27 @@ class LoggingConfig:
     log_interval: int
     tensorboard_dir: str | None
     run_dir: str | None
+    runs_dir: str | None
+    run_name: str | None
+    tensorboard_queue_size: int
     peak_tflops: float
     remeasure_peak: bool
     megatron_notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What DeepSpeed's config is generated from (megapost.engine.ds_config, .grad_reduce), as it runs."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    clip_grad: float
+    bf16: bool
+    zero_stage: int  # as DeepSpeed runs it: --bf16 promotes 0 to 1, an overlapped bf16 reduction 1 to 2
+    overlap_grad_reduce: bool  # whether the run overlaps gradient reduction with backward
+    grad_reduce_in_bf16: bool
+    reduce_notes: tuple[str, ...]  # the start-up notes of these choices
 
 
 @dataclass(frozen=True)
@@ -87,7 +114,6 @@ class RuntimeConfig:
     eval_interval: int
     eval_iters: int
     bf16: bool
-    zero_stage: int  # as DeepSpeed runs it: --bf16 promotes stage 0 to 1 (megapost.engine.ds_config)
     checkpoint_activations: bool
     checkpoint_num_layers: int
     compile: bool
@@ -108,19 +134,62 @@ class Config:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     runtime: RuntimeConfig
-    flags: MappingProxyType  # every parsed flag by dest (plugins' included), read-only
+    engine: EngineConfig
+    flags: MappingProxyType  # every parsed flag by dest (plugins' included, zero_stage and
+    # overlap_grad_reduce as the engine runs them), read-only
 
     def to_json(self) -> dict[str, Any]:
         sections = {name: asdict(getattr(self, name)) for name in
-                    ("model", "parallel", "data", "optimizer", "checkpoint", "logging", "runtime")}
+                    ("model", "parallel", "data", "optimizer", "checkpoint", "logging", "runtime", "engine")}
         sections["data"]["sources"] = repr(self.data.sources)
         return {**self.flags, "resolved": sections}
 
 
-def resolve(args: argparse.Namespace, model: ModelConfig) -> Config:
-    """The typed configuration of validated ``args`` (pure: reads ``args``, changes nothing)."""
+def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, tuple[str, ...]]:
+    """(ZeRO stage, overlap, start-up notes) of the gradient reduction: ``--overlap-grad-reduce`` /
+    ``--no-overlap-grad-reduce`` as given, by default on when more than one data-parallel rank reduces
+    over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.engine.grad_reduce applies it."""
+    zero = max(1, a.zero_stage) if a.bf16 else a.zero_stage
+    notes: list[str] = []
+    if a.grad_reduce_in_bf16:
+        if not a.bf16:
+            raise ConfigError("--grad-reduce-in-bf16: needs --bf16 (fp32 gradients are reduced in fp32)")
+        notes.append("--grad-reduce-in-bf16: gradients reduced in bf16 (accumulated in fp32)")
+    wanted = a.overlap_grad_reduce if a.overlap_grad_reduce is not None else device_type == "cuda"
+    overlap = bool(wanted) and a.data_parallel_size > 1
+    if overlap and a.pipeline_model_parallel_size > 1:  # DeepSpeed's pipeline engine: ZeRO <= 1,
+        # gradients reduced in its own step after the last micro-batch
+        notes.append("--overlap-grad-reduce: not under pipeline parallelism (DeepSpeed's pipeline engine "
+                     "reduces after the last micro-batch)")
+        overlap = False
+    if overlap and a.bf16 and zero == 1:
+        if "zero_stage" in a.explicit:
+            notes.append("--bf16 --zero-stage 1: gradients reduced after backward, not overlapped "
+                         "(DeepSpeed's bf16 ZeRO-1 optimizer); --zero-stage 2 overlaps them")
+            overlap = False
+        else:
+            zero = 2
+            notes.append("--overlap-grad-reduce with --bf16: ZeRO stage 2 (DeepSpeed's bf16 ZeRO-1 "
+                         "optimizer cannot overlap)")
+    if overlap and zero == 0:
+        notes.append("--overlap-grad-reduce: ZeRO stage 0 all-reduces after backward; "
+                     "use --zero-stage 1 or 2")
+        overlap = False
+    return zero, overlap, tuple(notes)
+
+
+def engine_config(a: argparse.Namespace, device_type: str) -> EngineConfig:
+    """The engine section of validated flags on a ``device_type`` rank."""
+    zero_stage, overlap, reduce_notes = grad_reduction(a, device_type)
+    return EngineConfig(a.global_batch_size, a.micro_batch_size, a.grad_accum_steps, a.clip_grad,
+                        bool(a.bf16), zero_stage, overlap, bool(a.grad_reduce_in_bf16), reduce_notes)
+
+
+def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> Config:
+    """The typed configuration of validated ``args`` on a ``device_type`` ("cuda", "cpu") rank (pure:
+    reads ``args``, changes nothing)."""
     a = args
-    zero_stage = max(1, a.zero_stage) if a.bf16 else a.zero_stage
+    engine = engine_config(a, device_type)
     cache = a.data_cache_dir or os.path.join(os.path.dirname(os.path.abspath(a.data_path)), "index-cache")
     return Config(
         model=model,
@@ -135,13 +204,18 @@ def resolve(args: argparse.Namespace, model: ModelConfig) -> Config:
                                   a.adam_eps, a.sgd_momentum, a.clip_grad, a.z_loss, a.lr_warmup_iters,
                                   a.lr_decay_iters, a.lr_decay_style, a.lr_wsd_decay_iters or 0,
                                   a.lr_wsd_decay_style, a.lr_warmup_init),
-        checkpoint=CheckpointConfig(a.save, a.load, a.load_hf, a.save_interval, a.trust_checkpoint),
-        logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.peak_tflops, a.remeasure_peak,
+        checkpoint=CheckpointConfig(a.save, a.load, a.load_hf, a.save_interval, a.trust_checkpoint,
+                                    a.ckpt_format, a.async_save, a.save_retain, a.save_retain_every,
+                                    a.finetune, a.no_load_optim, a.no_load_rng),
+        logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.runs_dir, a.run_name,
+                              a.tensorboard_queue_size, a.peak_tflops, a.remeasure_peak,
                               tuple(a.megatron_notes)),
         runtime=RuntimeConfig(a.train_iters, a.eval_interval, a.eval_iters, bool(a.bf16),
-                              zero_stage, a.checkpoint_activations,
-                              a.checkpoint_num_layers, a.compile, a.seed, a.exit_interval,
-                              a.exit_duration_in_mins, a.exit_signal_handler, a.deepspeed_config, a.plugins),
+                              a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
+                              a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,
+                              a.deepspeed_config, a.plugins),
+        engine=engine,
         flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
-                                "zero_stage": zero_stage}),
+                                "zero_stage": engine.zero_stage,
+                                "overlap_grad_reduce": engine.overlap_grad_reduce}),
     )

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from torch import nn
 
+from megapost.config.resolved import OptimizerConfig
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+
+def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     """adam: torch's fused AdamW (one kernel per tensor on CUDA and CPU; on CPU ~6x faster than the
     per-tensor loop torch picks by default, and equal to it within fp32 rounding). sgd: torch's SGD
     with ``--sgd-momentum``, as Megatron-LM builds it."""
@@ -17,9 +17,9 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
+    groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if getattr(args, "optimizer", "adam") == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_eps, fused=True)
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
+                             eps=opt.adam_eps, fused=True)

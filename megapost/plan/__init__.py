@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
+from megapost.config.resolved import DataConfig, RuntimeConfig
 from megapost.model import ModelConfig
 from megapost.model.loss import BLOCK_ELEMENTS, DEFAULT_BLOCK_ELEMENTS
 from megapost.plan.counts import ParameterCounts, parameter_counts
@@ -30,12 +30,12 @@ def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
     )
 
 
-def planned_rank_peak(cfg: ModelConfig, args: argparse.Namespace, pstate: Any,
+def planned_rank_peak(cfg: ModelConfig, data: DataConfig, runtime: RuntimeConfig, pstate: Any,
                       ds_config: dict[str, Any]) -> int:
     """The planner's peak bytes for this rank of a built run (its pipeline stage)."""
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
-                    args.micro_batch_size, args.grad_accum_steps, args.checkpoint_activations,
-                    pstate.sequence_parallel, args.checkpoint_num_layers)
+                    data.micro_batch_size, data.grad_accum_steps, runtime.checkpoint_activations,
+                    pstate.sequence_parallel, runtime.checkpoint_num_layers)
     cuda = torch.cuda.is_available()  # megapost.engine.optimizer builds fused AdamW on every device
     from megapost.model.norm import _ApexRMSNorm
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -51,23 +50,24 @@ def device_index(device_count: int, local_rank: int | None = None) -> int:
     return rank % max(1, device_count)
 
 
-def init_distributed(args: argparse.Namespace) -> torch.device:
-    """Initialise torch.distributed with a bounded timeout; returns this rank's device."""
+def init_distributed(local_rank: int | None, backend: str | None, timeout_minutes: float) -> torch.device:
+    """Initialise torch.distributed (``backend``: --distributed-backend, None: by device) with a
+    bounded timeout (--distributed-timeout-minutes); returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     if torch.cuda.is_available():
-        index = device_index(torch.cuda.device_count(), args.local_rank)
+        index = device_index(torch.cuda.device_count(), local_rank)
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
         skip_cpu_shm_op_build()
-    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
                           "use --distributed-backend gloo, or leave the flag out")
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     default_group_timeout(timeout)
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,

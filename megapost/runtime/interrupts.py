@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import errno
@@ -53,9 +52,11 @@ class Interrupted(KeyboardInterrupt):
 
 @dataclass
 class Progress:
-    """What the one-line interrupt message needs; pretrain fills it in as the run takes shape."""
+    """What the one-line interrupt message needs; the build fills it in as the run takes shape."""
 
-    args: argparse.Namespace | None = None
+    save: str | None = None  # --save as resolved
+    run_name: str | None = None  # --run-name as resolved (None: no run directory)
+    runs_dir: str | None = None  # --runs-dir as resolved
     state: Any = None  # the trainer's TrainState (``.iteration``)
     requested: int = 0  # signal number caught while --exit-signal-handler defers it
     deferring: bool = False
@@ -221,13 +222,15 @@ def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
-def resume_command(args: argparse.Namespace | None) -> str:
-    """The command that continues this run: the launch as typed, with --run-name or --load added."""
+def resume_command(save: str | None = None, run_name: str | None = None,
+                   runs_dir: str | None = None) -> str:
+    """The command that continues this run: the launch as typed, with --run-name (a run under
+    ``runs_dir``) or --load ``save`` added."""
     user = [a for a in sys.argv[1:] if not a.startswith(("--local_rank", "--local-rank"))]
-    if args is not None and getattr(args, "runs_dir", None) and getattr(args, "run_name", None):
-        user = _with_flag(user, "--run-name", args.run_name)
-    elif args is not None and args.save:
-        user = _with_flag(user, "--load", args.save)
+    if runs_dir and run_name:
+        user = _with_flag(user, "--run-name", run_name)
+    elif save:
+        user = _with_flag(user, "--load", save)
     script = sys.argv[0]
     module = script.endswith(os.path.join("megapost", "pretrain.py"))
     env = os.environ
@@ -259,11 +262,10 @@ def last_checkpoint(save: str | None) -> str:
 
 
 def interrupted_line() -> str:
-    args, state = PROGRESS.args, PROGRESS.state
-    iteration = state.iteration if state is not None else 0
-    return (f"interrupted at iteration {iteration}; last complete checkpoint: "
-            f"{last_checkpoint(args.save if args is not None else None)}; "
-            f"resume with: {resume_command(args)}")
+    p = PROGRESS
+    iteration = p.state.iteration if p.state is not None else 0
+    return (f"interrupted at iteration {iteration}; last complete checkpoint: {last_checkpoint(p.save)}; "
+            f"resume with: {resume_command(p.save, p.run_name, p.runs_dir)}")
 
 
 def run_guarded(fn: Callable[[], Any]) -> Any:
@@ -282,9 +284,9 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
 class ExitConditions:
     """--exit-signal-handler / --exit-interval / --exit-duration-in-mins, decided the same on every rank."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.interval, self.minutes = args.exit_interval, args.exit_duration_in_mins
-        self.signals = args.exit_signal_handler
+    def __init__(self, interval: int, minutes: float, signals: bool) -> None:
+        """--exit-interval, --exit-duration-in-mins, --exit-signal-handler."""
+        self.interval, self.minutes, self.signals = interval, minutes, signals
         self.start = time.time()
         self.group: Any = None
         self.reduce = bool(self.signals or self.minutes > 0) and dist.is_initialized() \

@@ -5,6 +5,7 @@ and engine with megapost's hooks and checkpoint safety, writers and the memory r
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,6 @@ from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
-from megapost.model import ModelConfig
 from megapost.parallel import (
     build_model,
     deepspeed_config_errors,
@@ -40,7 +40,7 @@ from megapost.parallel import (
 from megapost.parallel.compile import compile_blocks
 from megapost.parallel.state import ParallelState
 from megapost.plan import planned_rank_peak
-from megapost.plugin_api import PluginContext
+from megapost.plugin_api import Flags, PluginContext
 from megapost.runtime import interrupts
 from megapost.runtime.cpu import bf16_note
 from megapost.runtime.distributed import init_distributed
@@ -75,11 +75,14 @@ def build_data(data: DataConfig, pstate: ParallelState) -> DataSource:
     return DataSource(train_iter, valid_iter)
 
 
-def build_plugins(classes: Sequence[type], args: Any, model_cfg: ModelConfig, pstate: Any,
-                  monitor: Monitor) -> list[Any]:
-    ctx = PluginContext(args=args, model_config=model_cfg, parallel=pstate,
-                        tensorboard_dir=args.tensorboard_dir, writer=monitor.writer)
-    return [cls(ctx) for cls in classes]
+def build_plugins(classes: Sequence[type], config: Config, pstate: Any, monitor: Monitor) -> list[Any]:
+    """The --plugins (and --manual-gc) plugins, each with its context: the flags (read-only), model,
+    layout and writers."""
+    flags = Flags(config.flags)
+    plugins = [cls(PluginContext(flags=flags, model_config=config.model, parallel=pstate,
+                                 tensorboard_dir=config.logging.tensorboard_dir, writer=monitor.writer))
+               for cls in classes]
+    return plugins + manual_gc_plugins(flags, config.model, pstate)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> WarmupDecaySchedule:
@@ -88,14 +91,14 @@ def build_schedule(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> Wa
                                wsd_style=opt.lr_wsd_decay_style, warmup_init=opt.lr_warmup_init)
 
 
-def build_engine(prep: Prepared, config: Config, model: torch.nn.Module, pstate: ParallelState,
-                 device: torch.device) -> tuple[Any, dict[str, Any], list[str]]:
-    """The DeepSpeed engine of ``model`` with megapost's optimizer, schedule and generated config (and
-    the start-up notes of the gradient-reduction choice)."""
+def build_engine(config: Config, user_ds: dict[str, Any], model: torch.nn.Module,
+                 pstate: ParallelState) -> tuple[Any, dict[str, Any], list[str]]:
+    """The DeepSpeed engine of ``model`` with megapost's optimizer, schedule and generated config (from
+    ``config.engine`` and the user's JSON; and the start-up notes of the gradient-reduction choice)."""
     optimizer = build_optimizer(model, config.optimizer)
     scheduler = build_schedule(optimizer, config.optimizer)
-    ds_config = build_ds_config(prep.args, prep.user_ds)
-    reduce_notes = configure_grad_reduction(ds_config, prep.args, pstate.dp_size, device, model)
+    ds_config = build_ds_config(config.engine, user_ds)
+    reduce_notes = configure_grad_reduction(ds_config, config.engine, model)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
     errors = deepspeed_config_errors(pstate, ds_config)
@@ -114,10 +117,11 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's)."""
     args, model_cfg = prep.args, prep.model
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
-    device = init_distributed(args)
+    device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
-    config = resolve(args, model_cfg)
-    interrupts.PROGRESS.args = args
+    config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
+    log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
+    progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
     interrupts.forget_port_check()
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
@@ -132,17 +136,16 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:
             print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
-    monitor = Monitor(config.logging.tensorboard_dir, enabled=pstate.is_logging_rank,
-                      max_queue=args.tensorboard_queue_size)
-    plugins = build_plugins(prep.plugin_classes, args, model_cfg, pstate, monitor)
-    plugins += manual_gc_plugins(args, model_cfg, pstate)
+    monitor = Monitor(log.tensorboard_dir, enabled=pstate.is_logging_rank,
+                      max_queue=log.tensorboard_queue_size)
+    plugins = build_plugins(prep.plugin_classes, config, pstate, monitor)
     for plugin in plugins:
         plugin.on_model_built(model)
-    engine, ds_config, reduce_notes = build_engine(prep, config, model, pstate, device)
+    engine, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
     peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
                         config.logging.remeasure_peak)
-    memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, args, pstate, ds_config))
-    trainer = Trainer(config, args, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
+    memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, config.data, run, pstate, ds_config))
+    trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
     engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
@@ -179,5 +182,5 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
     for note in notes:
         monitor.line(f" megapost: {note}")
     if pstate.is_logging_rank:  # args.json: every flag, the launch history and the resolved sections
-        launches.write_record(args, [config.logging.tensorboard_dir, ckpt.save],
-                              resolved=config.to_json()["resolved"])
+        launches.write_record(argparse.Namespace(**config.flags), [config.logging.tensorboard_dir, ckpt.save],
+                              resolved=config.to_json()["resolved"])  # the flags as resolved

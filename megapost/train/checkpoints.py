@@ -3,7 +3,6 @@ finite guard), continuing a resumed run's logs, and in-memory snapshots for roll
 
 from __future__ import annotations
 
-import argparse
 import copy
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 
 from megapost.checkpoint import finite_guard, saver
 from megapost.checkpoint import io as checkpoint_io
+from megapost.config.resolved import Config
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
 from megapost.train.plugin_host import PluginHost
@@ -28,22 +28,24 @@ def to_host(tree: Any) -> Any:
 
 
 class CheckpointManager:
-    """Saves/loads ``engine`` and the ``state`` (a TrainState) of this rank."""
+    """Saves/loads ``engine`` and the ``state`` (a TrainState) of this rank, as ``config`` says (its
+    checkpoint section; the layout and flags a checkpoint records)."""
 
-    def __init__(self, args: argparse.Namespace, engine: Any, pstate: ParallelState, state: Any,
+    def __init__(self, config: Config, engine: Any, pstate: ParallelState, state: Any,
                  host: PluginHost, monitor: Monitor, device: torch.device) -> None:
-        self.args, self.engine, self.pstate, self.state = args, engine, pstate, state
+        self.config, self.ckpt, self.engine = config, config.checkpoint, engine
+        self.pstate, self.state = pstate, state
         self.host, self.monitor, self.device = host, monitor, device
 
     def save(self) -> None:
         st = self.state
         pending = [t for _, loss, norm, _ in st.losses for t in (loss, norm)]
         finite_guard.refuse_non_finite(self.engine.module.parameters(), pending, st.iteration,
-                                       self.args.save, self.device)
-        tag = saver.save(self.engine, self.args, st.iteration, st.consumed_samples,
-                                 self.host.states(), self.pstate)
-        done = "saving checkpoint (in the background)" if self.args.async_save else "saved checkpoint"
-        self.monitor.line(f" {done} {self.args.save}/{tag}")
+                                       self.ckpt.save, self.device)
+        tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self.host.states(),
+                         self.pstate)
+        done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
+        self.monitor.line(f" {done} {self.ckpt.save}/{tag}")
 
     def before_state_changes(self) -> None:
         """Before the optimizer step, a rollback or a load: a background save's snapshot is taken."""
@@ -57,15 +59,16 @@ class CheckpointManager:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
         TensorBoard directory and the plugins' files, so steps never repeat or go backward."""
         self.host.on_resume(iteration)
-        self.monitor.resume(iteration, consumed * self.args.seq_length)
+        self.monitor.resume(iteration, consumed * self.config.data.seq_length)
 
     def load(self) -> None:
         saver.before_state_changes()
-        it, consumed, states = checkpoint_io.load(self.engine, self.args, self.pstate)
+        run = checkpoint_io.RunLayout.of(self.config.flags)
+        it, consumed, states = checkpoint_io.load(self.engine, self.ckpt, run, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         self.host.load_states(states)
         self.continue_logs(it, consumed)
-        self.monitor.line(f" resumed from {self.args.load} at iteration {it} ({consumed} samples)")
+        self.monitor.line(f" resumed from {self.ckpt.load} at iteration {it} ({consumed} samples)")
 
     def snapshot(self) -> dict[str, Any]:
         """This rank's state to continue exactly from here (ZeRO-0 fp32: module and optimizer state_dict

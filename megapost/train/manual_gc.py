@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 from typing import Any
 
-from megapost.plugin_api import Plugin, PluginContext
+from megapost.plugin_api import Flags, Plugin, PluginContext
 
 
 class ManualGC(Plugin):
@@ -15,7 +14,7 @@ class ManualGC(Plugin):
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
-        self.interval = ctx.args.manual_gc_interval
+        self.interval = ctx.flags.manual_gc_interval
         gc.disable()
         gc.collect()
 
@@ -27,9 +26,9 @@ class ManualGC(Plugin):
         gc.enable()
 
 
-def manual_gc_plugins(args: argparse.Namespace, model_config: Any, pstate: Any) -> list[Plugin]:
+def manual_gc_plugins(flags: Flags, model_config: Any, pstate: Any) -> list[Plugin]:
     """``[ManualGC]`` under --manual-gc, else nothing."""
-    if not args.manual_gc:
+    if not flags.manual_gc:
         return []
-    return [ManualGC(PluginContext(args=args, model_config=model_config, parallel=pstate,
+    return [ManualGC(PluginContext(flags=flags, model_config=model_config, parallel=pstate,
                                    tensorboard_dir=None))]

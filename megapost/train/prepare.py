@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 
 from megapost.checkpoint import hf
-from megapost.checkpoint.io import check_layout, check_save_dir
+from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir
 from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
+from megapost.config.deepspeed_json import reconcile_with_user_config
 from megapost.config.errors import ConfigError
 from megapost.config.model_config import model_config_from_args
 from megapost.data import IndexedDataset
 from megapost.data.tokenizer import build_tokenizer
 from megapost.data.tokenizer_sidecar import check_tokenizer_sidecar
-from megapost.engine.ds_config import reconcile_with_user_config
 from megapost.model import ModelConfig
 from megapost.parallel import layout_errors
 from megapost.plugin_api import plugin_classes
@@ -59,6 +59,19 @@ def check_data(args: argparse.Namespace, tokenizer: Any) -> None:
             )
 
 
+def apply_hf_flags(args: argparse.Namespace) -> None:
+    """Fill the model flags from ``--load-hf``'s config.json (a parse-time mapping, as a preset's); a
+    typed flag that disagrees is refused."""
+    flags = hf.model_flags_from_hf(args.load_hf)
+    args.hf_vocab_size = flags.pop("hf_vocab_size")
+    for dest, value in flags.items():
+        ours = getattr(args, dest, None)
+        if dest in args.explicit and ours != value:
+            raise ConfigError(f"--{dest.replace('_', '-')} {ours} disagrees with --load-hf {args.load_hf} "
+                              f"({value}); drop the flag")
+        setattr(args, dest, value)
+
+
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[type]]:
     """The flags (with --plugins' own) and the plugin classes."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -77,7 +90,7 @@ def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
     world_size = world_size_from_env() if world_size is None else world_size
     validate_args(args, world_size)
     if args.load_hf:  # the model flags come from its config.json
-        hf.apply_hf_flags(args)
+        apply_hf_flags(args)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     check_data(args, tokenizer)
     try:
@@ -91,7 +104,8 @@ def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
                            args.sequence_parallel, args.seq_length, world_size)
     if errors:
         raise ConfigError("invalid parallel layout: " + "; ".join(errors))
+    run = RunLayout.of(vars(args))  # as given: resolution (megapost.config.resolved) comes after the groups
     if args.load:
-        check_layout(args)
-    check_save_dir(args)
+        check_layout(args.load, run, args.trust_checkpoint)
+    check_save_dir(args.save, run.shape)
     return Prepared(args, model_cfg, user_ds, classes, threads)

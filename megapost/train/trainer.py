@@ -4,7 +4,6 @@ plugin host, watchdog) and runs the loop of ``--train-iters`` optimizer steps. B
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +37,13 @@ class TrainState:
 class Trainer:
     """Owns the engine and runs ``--train-iters`` optimizer steps."""
 
-    def __init__(self, config: Config, args: argparse.Namespace, engine: Any, loss_fn: Any,
+    def __init__(self, config: Config, engine: Any, loss_fn: Any,
                  pstate: ParallelState, train_iter_fn: Callable[[int], Iterator[Any]] | None,
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
                  monitor: Monitor, peak_tflops: float, device: torch.device,
                  memory: PeakMemory | None = None) -> None:
-        """``config``: the resolved sections the parts read; ``args``: the flags, for the checkpoint
-        files (megapost.checkpoint.io) and the resume command of an early exit."""
-        self.config, self.args, self.engine, self.pstate = config, args, engine, pstate
+        """``config``: the resolved sections the parts read."""
+        self.config, self.engine, self.pstate = config, engine, pstate
         self.monitor, self.device = monitor, device
         self.state = TrainState()
         data, run, ckpt = config.data, config.runtime, config.checkpoint
@@ -59,7 +57,7 @@ class Trainer:
         self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device,
                                   config.logging.log_interval, run.train_iters, self.tokens_per_step,
                                   ckpt.save, self.runner.dp_mean)
-        self.checkpoints = CheckpointManager(args, engine, pstate, self.state, self.host, monitor, device)
+        self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
         self.host.bind(engine, self.snapshot, self.restore)
 
@@ -147,7 +145,7 @@ class Trainer:
         return bool(ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0)
 
     def _train(self) -> dict[str, Any]:
-        run, ckpt, st = self.config.runtime, self.config.checkpoint, self.state
+        run, ckpt, log, st = self.config.runtime, self.config.checkpoint, self.config.logging, self.state
         self.logger.start_iteration = st.iteration
         if st.iteration == 0:
             self.runner.measure_at_init()
@@ -165,7 +163,8 @@ class Trainer:
         self.checkpoints.wait()  # the end of training waits for a background save
         if exit_reason:
             self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
-                              f"{last_checkpoint(ckpt.save)}; resume with: {resume_command(self.args)}")
+                              f"{last_checkpoint(ckpt.save)}; resume with: "
+                              f"{resume_command(ckpt.save, log.run_name, log.runs_dir)}")
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
         history["grad_norm"] = dict(zip(history["grad_norm"],
                                         host_norms(list(history["grad_norm"].values())), strict=True))

@@ -39,7 +39,8 @@ class Watchdog:
         self.pstate = pstate
         self.timeout_minutes = timeout_minutes
         self.fail_at = injected_failure()
-        self.exits = ExitConditions(runtime)
+        self.exits = ExitConditions(runtime.exit_interval, runtime.exit_duration_in_mins,
+                                    runtime.exit_signal_handler)
 
     def run(self, loop: Callable[[], Any], iteration: Callable[[], int]) -> Any:
         """``loop()``; a collective that times out or loses a peer ends it with a CollectiveFailure

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megapost.plugin_api import ConfigError, PluginContext, apply_rope_tables
+from megapost.plugin_api import ConfigError, Flags, PluginContext, apply_rope_tables
 
 
 def add_autopsy_arguments(g: argparse._ArgumentGroup) -> None:
@@ -47,19 +47,19 @@ def add_autopsy_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-autopsy-power-iters", type=int, default=5, metavar="N")
 
 
-def check_autopsy_args(args: argparse.Namespace, world: int) -> None:
-    if not args.collapse_autopsy:
+def check_autopsy_args(flags: Flags, world: int) -> None:
+    if not flags.collapse_autopsy:
         return
-    if args.collapse_autopsy < 1 or args.collapse_autopsy_hessian_every < 1 or \
-            args.collapse_autopsy_power_iters < 1:
+    if flags.collapse_autopsy < 1 or flags.collapse_autopsy_hessian_every < 1 or \
+            flags.collapse_autopsy_power_iters < 1:
         raise ConfigError("--collapse-autopsy, --collapse-autopsy-hessian-every and "
                           "--collapse-autopsy-power-iters must be >= 1")
-    if args.zero_stage != 0 or args.bf16 or world != 1:
+    if flags.zero_stage != 0 or flags.bf16 or world != 1:
         raise ConfigError("--collapse-autopsy: exact replay and the Hessian probe need one rank, "
                           "--zero-stage 0, fp32; drop --zero-stage/--bf16 or run on one process")
-    if args.collapse_guard:
+    if flags.collapse_guard:
         raise ConfigError("--collapse-autopsy and --collapse-guard both rewind the run: use one")
-    if args.collapse_autopsy_on == "early" and not args.collapse_early_warning:
+    if flags.collapse_autopsy_on == "early" and not flags.collapse_early_warning:
         raise ConfigError("--collapse-autopsy-on early needs --collapse-early-warning")
 
 
@@ -113,10 +113,10 @@ def attention_entropy(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[lis
 
 
 class Autopsy:
-    def __init__(self, args: argparse.Namespace, out_dir: str | None) -> None:
-        self.args, self.k = args, args.collapse_autopsy
-        self.after = args.collapse_autopsy_after if args.collapse_autopsy_after is not None else 2 * self.k
-        self.on = args.collapse_autopsy_on
+    def __init__(self, flags: Flags, out_dir: str | None) -> None:
+        self.flags, self.k = flags, flags.collapse_autopsy
+        self.after = flags.collapse_autopsy_after if flags.collapse_autopsy_after is not None else 2 * self.k
+        self.on = flags.collapse_autopsy_on
         self.path = Path(out_dir) / "autopsy.jsonl" if out_dir else None
         self.snapshots: list[dict[str, Any]] = []
         self.event_step: int | None = None  # set when the event fired; the window ends at event + after
@@ -168,8 +168,8 @@ class Autopsy:
         ent, norms = attention_entropy(model, self.probe["tokens"].to(next(model.parameters()).device))
         rec["attn_entropy"] = ent
         rec.update(norms)
-        if (step - self.window[0]) % self.args.collapse_autopsy_hessian_every == 1 % \
-                self.args.collapse_autopsy_hessian_every:
+        if (step - self.window[0]) % self.flags.collapse_autopsy_hessian_every == 1 % \
+                self.flags.collapse_autopsy_hessian_every:
             rec["sharpness_precond"] = self._sharpness(model, ctx)
             beta1 = ctx.optimizer_hyperparameters()["betas"][0]
             rec["eos_threshold"] = (2 + 2 * beta1) / ((1 - beta1) * rec["lr"]) if rec["lr"] else None
@@ -218,7 +218,7 @@ class Autopsy:
         u = [torch.randn(p.shape, generator=gen).to(device) for p in params]
         lam = math.nan
         try:
-            for _ in range(self.args.collapse_autopsy_power_iters):
+            for _ in range(self.flags.collapse_autopsy_power_iters):
                 norm = math.sqrt(sum(float(x.pow(2).sum()) for x in u))
                 u = [x / norm for x in u]
                 d = [x * q for x, q in zip(u, pinv, strict=True)]  # P^-1/2 u

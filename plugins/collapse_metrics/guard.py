@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megapost.plugin_api import ConfigError, PluginContext
+from megapost.plugin_api import ConfigError, Flags, PluginContext
 
 REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|"
                     r"(?:rewarm|warmup-restart)(?:\*([0-9.eE+-]+)(?:/([0-9]+))?)?)$")
@@ -70,25 +70,25 @@ class Remedy:
                           "rewarm[*F[/W]] with 0 < F <= 1, or skip")
 
 
-def check_guard_args(args: argparse.Namespace) -> None:
-    if not args.collapse_guard:
+def check_guard_args(flags: Flags) -> None:
+    if not flags.collapse_guard:
         return
-    if args.zero_stage != 0 or args.bf16 or args.pipeline_model_parallel_size > 1:
+    if flags.zero_stage != 0 or flags.bf16 or flags.pipeline_model_parallel_size > 1:
         raise ConfigError("--collapse-guard: in-memory snapshots are exact only for --zero-stage 0 in fp32 "
                           "without pipeline parallelism; drop --zero-stage/--bf16/"
                           "--pipeline-model-parallel-size or the guard")
-    if args.collapse_guard_on == "early" and not args.collapse_early_warning:
+    if flags.collapse_guard_on == "early" and not flags.collapse_early_warning:
         raise ConfigError("--collapse-guard-on early needs --collapse-early-warning")
-    if args.collapse_guard_interval < 1 or args.collapse_guard_retries < 0:
+    if flags.collapse_guard_interval < 1 or flags.collapse_guard_retries < 0:
         raise ConfigError("--collapse-guard-interval must be >= 1 and --collapse-guard-retries >= 0")
-    Remedy.parse(args.collapse_guard_remedy)
+    Remedy.parse(flags.collapse_guard_remedy)
 
 
 class Guard:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.on = args, args.collapse_guard_on
-        self.remedy = Remedy.parse(args.collapse_guard_remedy)
-        self.interval, self.retries = args.collapse_guard_interval, args.collapse_guard_retries
+    def __init__(self, flags: Flags) -> None:
+        self.flags, self.on = flags, flags.collapse_guard_on
+        self.remedy = Remedy.parse(flags.collapse_guard_remedy)
+        self.interval, self.retries = flags.collapse_guard_interval, flags.collapse_guard_retries
         self.rollbacks = 0
         self.lr_scale = self.warmup_scale = 1.0
         self.rewarm: tuple[int, int, float] | None = None  # (from step, steps, fraction) of a rewarm
@@ -128,11 +128,11 @@ class Guard:
         self.load_state_dict(counters)
         back = snap["trainer"]["iteration"]
         if self.remedy.kind == "rewarm":
-            steps = self.remedy.steps or self.args.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
+            steps = self.remedy.steps or self.flags.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
             steps *= 2 ** (self.rollbacks - 1)  # the same ramp again would replay the same failure
             self.rewarm = (back, steps, self.remedy.factor)
         self._request_schedule(ctx)
-        a, remedy = self.args, self.args.collapse_guard_remedy
+        a, remedy = self.flags, self.flags.collapse_guard_remedy
         lr, warmup = a.lr * self.lr_scale, round(a.lr_warmup_iters * self.warmup_scale)  # as the schedule
         return {"event": event, "step": iteration, "to_step": back, "rollback": self.rollbacks,
                 "remedy": remedy, "lr": lr, "warmup": warmup,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapost.plugin_api import Plugin, PluginContext, set_listener
+from megapost.plugin_api import Flags, Plugin, PluginContext, set_listener
 
 from .autopsy import Autopsy, add_autopsy_arguments, check_autopsy_args
 from .corpus import train_split_frequency_loss
@@ -44,23 +44,23 @@ from .writers import Writers
 HEATMAP_IMAGES = 5
 
 
-def image_interval(args: argparse.Namespace) -> int:
+def image_interval(flags: Flags) -> int:
     """``--collapse-image-interval``, or by default about HEATMAP_IMAGES images over the run."""
-    if args.collapse_image_interval is not None:
-        return args.collapse_image_interval
-    measured = max(1, getattr(args, "train_iters", 0) or 0) // args.collapse_interval
+    if flags.collapse_image_interval is not None:
+        return flags.collapse_image_interval
+    measured = max(1, flags.get("train_iters", 0) or 0) // flags.collapse_interval
     return max(1, round(measured / HEATMAP_IMAGES))
 
 
-def corpus_frequency_loss(args: argparse.Namespace, vocab_size: int) -> float | None:
+def corpus_frequency_loss(flags: Flags, vocab_size: int) -> float | None:
     """The train split's frequency loss (``corpus.py``, cached beside the index cache), printed once;
     None without a --data-path dataset."""
-    prefix = getattr(args, "data_path", None)
+    prefix = flags.get("data_path", None)
     if not prefix or not os.path.isfile(f"{prefix}.idx"):
         return None
-    cache = getattr(args, "data_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(prefix)),
+    cache = flags.get("data_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(prefix)),
                                                                   "index-cache")
-    result = train_split_frequency_loss(prefix, getattr(args, "split", "969,30,1"), args.seq_length,
+    result = train_split_frequency_loss(prefix, flags.get("split", "969,30,1"), flags.seq_length,
                                         vocab_size, cache)
     print(f"[collapse] frequency loss of the train split: {result.aggregated:.4f} nats "
           f"({result.num_tokens:,} labels; per sequence {result.per_sequence:.4f})", flush=True)
@@ -109,38 +109,38 @@ class CollapseMetricsPlugin(Plugin):
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
-        args, cfg, ps = ctx.args, ctx.model_config, ctx.parallel
-        if args.collapse_interval < 1:
-            raise ValueError(f"--collapse-interval must be >= 1, got {args.collapse_interval}")
-        self.interval, self.at_init = args.collapse_interval, args.collapse_at_init
-        self.layers = parse_layers(args.collapse_layers, cfg.num_layers)
+        flags, cfg, ps = ctx.flags, ctx.model_config, ctx.parallel
+        if flags.collapse_interval < 1:
+            raise ValueError(f"--collapse-interval must be >= 1, got {flags.collapse_interval}")
+        self.interval, self.at_init = flags.collapse_interval, flags.collapse_at_init
+        self.layers = parse_layers(flags.collapse_layers, cfg.num_layers)
         self.vocab_size = cfg.vocab_size
         self.listens = ps.sequence_parallel or ps.tp_rank == 0
         self.counts_labels = ps.is_last_stage and ps.tp_rank == 0
         self.detector = TransitionDetector(TransitionConfig(
-            beta=args.collapse_transition_beta, z_min=args.collapse_transition_z,
-            min_tsim_rise=args.collapse_transition_min_tsim_rise,
-            min_loss_rise=args.collapse_transition_min_loss_rise, warmup=args.collapse_transition_warmup))
-        self.state = CollapseState(StateConfig(args.collapse_state_tsim, args.collapse_state_grad_ratio))
+            beta=flags.collapse_transition_beta, z_min=flags.collapse_transition_z,
+            min_tsim_rise=flags.collapse_transition_min_tsim_rise,
+            min_loss_rise=flags.collapse_transition_min_loss_rise, warmup=flags.collapse_transition_warmup))
+        self.state = CollapseState(StateConfig(flags.collapse_state_tsim, flags.collapse_state_grad_ratio))
         armed = early_warning_applies(cfg, self.layers)
-        self.warning = (EarlyWarning(args.collapse_early_warning_factor)
-                        if args.collapse_early_warning and armed else None)
-        if args.collapse_early_warning and self.warning is None and ps.is_logging_rank:
+        self.warning = (EarlyWarning(flags.collapse_early_warning_factor)
+                        if flags.collapse_early_warning and armed else None)
+        if flags.collapse_early_warning and self.warning is None and ps.is_logging_rank:
             print(f"[collapse] early warning off: under --norm-position {cfg.norm_position} the residual sum "
                   f"of layer {max(self.layers)} is not normalised after the add, so it grows by design (the "
                   "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
-        check_guard_args(args)
-        self.guard = Guard(args) if args.collapse_guard else None
-        check_autopsy_args(args, ps.world_size)
-        self.autopsy = Autopsy(args, ctx.tensorboard_dir) if args.collapse_autopsy else None
+        check_guard_args(flags)
+        self.guard = Guard(flags) if flags.collapse_guard else None
+        check_autopsy_args(flags, ps.world_size)
+        self.autopsy = Autopsy(flags, ctx.tensorboard_dir) if flags.collapse_autopsy else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration
         self.autopsy_event: int | None = None
         self.running = RunningFrequencyLoss(cfg.vocab_size)
         self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
         self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
-        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, image_interval(args))
+        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, image_interval(flags))
                         if ps.is_logging_rank else None)
-        self.freq_corpus = corpus_frequency_loss(args, cfg.vocab_size) if ps.is_logging_rank else None
+        self.freq_corpus = corpus_frequency_loss(flags, cfg.vocab_size) if ps.is_logging_rank else None
         self.model: nn.Module | None = None
         self.buf: StatsBuffer | None = None
         self.recorder: Recorder | None = None
