@@ -9,6 +9,7 @@ from typing import Any
 from dist_utils import run_ranks
 
 COUNTED = (3, 5)  # [first counted iteration, first iteration not counted)
+ITERATIONS = "loop iterations counted"  # the audit's own entry: 2 (the counter did run)
 
 
 def _audit(argv: list[str]) -> dict[str, int]:
@@ -17,28 +18,32 @@ def _audit(argv: list[str]) -> dict[str, int]:
     from megapost.train.trainer import Trainer
 
     counter = HostSyncCounter()
-    original = Trainer.train_step
+    original = Trainer._step  # one whole loop iteration: what the training loop calls
 
-    def train_step(self: Trainer, step: int) -> Any:
-        if step == COUNTED[0]:
+    iterations = []
+
+    def step(self: Trainer, history: Any) -> Any:
+        if self.state.iteration + 1 == COUNTED[0]:
             counter.__enter__()
-        elif step == COUNTED[1]:
+        elif self.state.iteration + 1 == COUNTED[1]:
             counter.__exit__(None, None, None)
-        return original(self, step)
+        if counter.active:
+            iterations.append(self.state.iteration + 1)
+        return original(self, history)
 
-    Trainer.train_step = train_step  # type: ignore[method-assign]
+    Trainer._step = step  # type: ignore[method-assign]
     try:
         run(argv)
     finally:
-        Trainer.train_step = original  # type: ignore[method-assign]
+        Trainer._step = original  # type: ignore[method-assign]
         if counter.active:
             counter.__exit__(None, None, None)
-    return dict(counter.sites)
+    return {ITERATIONS: len(iterations), **counter.sites}
 
 
 def count_syncs(data: Any, world: int, flags: list[str]) -> list[dict[str, int]]:
     """Every rank's ``{"kind @ call site": count}`` over iterations 3 and 4 of a 5-step run that logs
-    only at its end (no eval, no save)."""
+    only at its end (no eval, no save), and ``ITERATIONS``: how many loop iterations were counted."""
     argv = ["--data-path", str(data.prefix), "--tokenizer-model", str(data.tokenizer_model),
             "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",

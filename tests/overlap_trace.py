@@ -14,12 +14,12 @@ def _trace(argv: list[str]) -> dict[str, Any]:
 
     from megapost.model import TransformerBlock
     from megapost.pretrain import run
-    from megapost.train.trainer import Trainer
+    from megapost.train.step import StepRunner
 
     events: list[str] = []
     saved = {name: getattr(dist, name) for name in REDUCTIONS}
     handles: list[Any] = []
-    original = Trainer.train_step
+    original = StepRunner.train_step  # what the training loop calls
 
     def traced(name: str) -> Any:
         def call(tensor: Any, *a: Any, **kw: Any) -> Any:
@@ -27,7 +27,7 @@ def _trace(argv: list[str]) -> dict[str, Any]:
             return saved[name](tensor, *a, **kw)
         return call
 
-    def train_step(self: Trainer, step: int) -> Any:
+    def train_step(self: StepRunner, step: int) -> Any:
         if step != TRACED:
             return original(self, step)
         blocks = [m for m in self.engine.module.modules() if isinstance(m, TransformerBlock)]
@@ -44,11 +44,11 @@ def _trace(argv: list[str]) -> dict[str, Any]:
             for h in handles:
                 h.remove()
 
-    Trainer.train_step = train_step  # type: ignore[method-assign]
+    StepRunner.train_step = train_step  # type: ignore[method-assign]
     try:
         history = run(argv)
     finally:
-        Trainer.train_step = original  # type: ignore[method-assign]
+        StepRunner.train_step = original  # type: ignore[method-assign]
     return {"events": events, "losses": history["train_loss"]}
 
 

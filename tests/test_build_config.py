@@ -77,10 +77,15 @@ def test_grad_reduction_is_resolved_once(tiny_data, flags, device, stage, overla
         assert any("not overlapped" in n for n in notes)
 
 
-def test_grad_reduce_in_bf16_needs_bf16(tiny_data) -> None:
+def test_grad_reduce_in_bf16_is_noted_without_bf16(tiny_data) -> None:
+    """Megatron's script may carry --grad-reduce-in-bf16 into an fp32 run: fp32 gradients, reduced in fp32
+    (Megatron-LM's own behaviour for fp32 parameters), said in one start-up note."""
     prep = _prepare(tiny_data, "--grad-reduce-in-bf16")
-    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16: needs --bf16"):
-        resolve(prep.args, prep.model, "cpu")
+    engine = resolve(prep.args, prep.model, "cpu").engine
+    ds = build_ds_config(engine, {})
+    configure_grad_reduction(ds, engine, torch.nn.Linear(4, 4))
+    assert not engine.grad_reduce_in_bf16 and ds.get("communication_data_type") != "bf16"
+    assert any("without --bf16: fp32 gradients are reduced in fp32" in n for n in engine.reduce_notes)
 
 
 def test_optimizer_flag_builds_megatron_optimizers(tiny_data) -> None:

@@ -8,7 +8,7 @@ and are the only ones let through."""
 from __future__ import annotations
 
 import pytest
-from host_sync_audit import count_syncs
+from host_sync_audit import ITERATIONS, count_syncs
 
 SAME_DEVICE = (
     "to_cpu @ deepspeed/runtime/zero/stage_1_and_2.py",  # get_grad_norm_direct: .to(current_device_name())
@@ -41,6 +41,7 @@ CASES = [pytest.param(layout, bf16, id=f"{layout}-{'bf16' if bf16 else 'fp32'}",
 def test_no_host_sync_between_log_steps(tiny_data, layout: str, bf16: bool) -> None:
     world, flags = LAYOUTS[layout]
     ranks = count_syncs(tiny_data, world, ["--global-batch-size", "8", *flags, *(["--bf16"] if bf16 else [])])
+    assert [r.pop(ITERATIONS) for r in ranks] == [2] * world  # the counter ran over two loop iterations
     report = {f"rank {r}": _syncs(sites) for r, sites in enumerate(ranks) if _syncs(sites)}
     print(f"{layout} {'bf16' if bf16 else 'fp32'}: {[sum(_syncs(s).values()) for s in ranks]} syncs per rank "
           f"(same-device .to() let through: {[sum(s.values()) - sum(_syncs(s).values()) for s in ranks]})")

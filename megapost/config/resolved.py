@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
-from megapost.config.errors import ConfigError
 from megapost.model.config import ModelConfig
 
 
@@ -151,10 +150,10 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
     over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.engine.grad_reduce applies it."""
     zero = max(1, a.zero_stage) if a.bf16 else a.zero_stage
     notes: list[str] = []
-    if a.grad_reduce_in_bf16:
-        if not a.bf16:
-            raise ConfigError("--grad-reduce-in-bf16: needs --bf16 (fp32 gradients are reduced in fp32)")
-        notes.append("--grad-reduce-in-bf16: gradients reduced in bf16 (accumulated in fp32)")
+    if a.grad_reduce_in_bf16:  # Megatron-LM reduces an fp32 parameter's gradient in fp32 whatever it says
+        notes.append("--grad-reduce-in-bf16: gradients reduced in bf16 (accumulated in fp32)" if a.bf16
+                     else "--grad-reduce-in-bf16 without --bf16: fp32 gradients are reduced in fp32, as in "
+                     "Megatron-LM")
     wanted = a.overlap_grad_reduce if a.overlap_grad_reduce is not None else device_type == "cuda"
     overlap = bool(wanted) and a.data_parallel_size > 1
     if overlap and a.pipeline_model_parallel_size > 1:  # DeepSpeed's pipeline engine: ZeRO <= 1,
@@ -182,7 +181,8 @@ def engine_config(a: argparse.Namespace, device_type: str) -> EngineConfig:
     """The engine section of validated flags on a ``device_type`` rank."""
     zero_stage, overlap, reduce_notes = grad_reduction(a, device_type)
     return EngineConfig(a.global_batch_size, a.micro_batch_size, a.grad_accum_steps, a.clip_grad,
-                        bool(a.bf16), zero_stage, overlap, bool(a.grad_reduce_in_bf16), reduce_notes)
+                        bool(a.bf16), zero_stage, overlap, bool(a.grad_reduce_in_bf16 and a.bf16),
+                        reduce_notes)
 
 
 def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> Config:
