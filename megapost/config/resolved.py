@@ -156,6 +156,8 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
                      "Megatron-LM")
     wanted = a.overlap_grad_reduce if a.overlap_grad_reduce is not None else device_type == "cuda"
     overlap = bool(wanted) and a.data_parallel_size > 1
+    if a.overlap_grad_reduce and a.data_parallel_size == 1:
+        notes.append("--overlap-grad-reduce: one data-parallel rank, no gradient reduction to overlap")
     if overlap and a.pipeline_model_parallel_size > 1:  # DeepSpeed's pipeline engine: ZeRO <= 1,
         # gradients reduced in its own step after the last micro-batch
         notes.append("--overlap-grad-reduce: not under pipeline parallelism (DeepSpeed's pipeline engine "
