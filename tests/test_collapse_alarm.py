@@ -23,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megapost.data import IndexedDataset
 from megapost.data.gpt_dataset import split_document_ranges
 from megapost.model import LlamaModel
+from megapost.plugin_api import Flags
 
 
 def _alarm_run(tiny_data, norm: str, out) -> tuple[list[dict], str]:
@@ -123,12 +124,12 @@ def test_corpus_frequency_loss_is_the_train_split_and_cached(tiny_data, tmp_path
 
 
 def test_heatmap_default_gives_a_short_run_a_few_images():
-    args = plugin_args("--collapse-interval", "10")
-    args.train_iters = 200  # the tiny-cpu example: 20 measured steps
-    assert 20 // image_interval(args) >= 4
-    args.train_iters = 40000
-    assert 4000 // image_interval(args) <= 6
-    assert image_interval(plugin_args("--collapse-image-interval", "0")) == 0
+    def flags(*argv: str, **more: int) -> Flags:  # what a plugin reads: PluginContext.flags
+        return Flags({**vars(plugin_args(*argv)), **more})
+
+    assert 20 // image_interval(flags("--collapse-interval", "10", train_iters=200)) >= 4  # tiny-cpu
+    assert 4000 // image_interval(flags("--collapse-interval", "10", train_iters=40000)) <= 6
+    assert image_interval(flags("--collapse-image-interval", "0")) == 0
 
 
 def test_custom_scalars_per_layer_group():
