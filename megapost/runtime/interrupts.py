@@ -114,8 +114,14 @@ def _on_signal(signum: int, _frame: Any) -> None:
     if PROGRESS.interrupted:
         return
     PROGRESS.interrupted = True
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's follow-up SIGTERM while we print
+    # the launcher's follow-up SIGTERM while we print: a Python no-op, not SIG_IGN — a SIGTERM already
+    # pending would then raise "OSError: Signal 15 ignored due to race condition" mid-unwind
+    signal.signal(signal.SIGTERM, _ignore)
     raise Interrupted(signum)
+
+
+def _ignore(_signum: int, _frame: Any) -> None:
+    """A handled-and-dropped signal."""
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
