@@ -138,7 +138,7 @@ def test_bisection_brackets_the_threshold_and_the_fit_recovers_the_law():
     for w in (32, 64, 128):
         for d in (2, 4, 8):
             true = 0.5 * w ** -0.5 * d ** -1.0
-            b = Bracket(w, d, 1e-4, 1.0)
+            b = Bracket(w, d, 1e-4, 1.0, steps=12)
             for _ in range(12):
                 for lr in b.next_lrs():
                     b.record(lr, int(lr >= true), 1)
@@ -150,9 +150,31 @@ def test_bisection_brackets_the_threshold_and_the_fit_recovers_the_law():
     pred = predict(fit, 2048, 24)
     assert pred["lr_star"] == pytest.approx(0.5 * 2048 ** -0.5 / 24, rel=0.1) and not pred["inside"]
     assert pred["interval"][0] < pred["lr_star"] < pred["interval"][1]
-    below = Bracket(32, 2, 1e-3, 1e-2)
+    below = Bracket(32, 2, 1e-3, 1e-2, lr_min=1e-3)
     below.record(1e-3, 2, 2)
     assert below.status == "below" and below.next_lrs() == []
+
+
+@pytest.mark.parametrize("true", [4e-4, 4e-5, 0.35])
+def test_a_bracket_on_the_wrong_side_widens_until_it_holds(true):
+    """Both ends collapse (or neither): the bracket moves out by the factor, keeps every probe, then
+    bisects the widened decade; the threshold ends inside a bracket of 10^(1/8) after 3 steps."""
+    b = Bracket(64, 4, 3e-3, 1e-1, steps=3, widen=10.0, lr_min=1e-5, lr_max=1.0)
+    rounds = 0
+    while b.next_lrs():
+        for lr in b.next_lrs():
+            b.record(lr, 3 * int(lr >= true), 3)
+        rounds += 1
+    assert b.status == "open" and b.lo < true <= b.hi and b.bisected == 3
+    assert b.hi / b.lo == pytest.approx(10 ** (1 / 8), rel=0.01)
+    lrs = [p["lr"] for p in b.probes]
+    assert lrs[:2] == [3e-3, 0.1] and len(lrs) == len(set(lrs)) == rounds + 1
+    assert all(bool(p["k"]) == (p["lr"] >= true) for p in b.probes)
+    past = Bracket(64, 4, 3e-3, 1e-1, widen=10.0, lr_min=1e-4)
+    for _ in range(4):
+        for lr in past.next_lrs():
+            past.record(lr, 3, 3)
+    assert past.status == "below" and [p["lr"] for p in past.probes] == [3e-3, 0.1, 3e-4]
 
 
 def test_planner_prints_the_collapse_risk(tmp_path, capsys):

@@ -2,10 +2,11 @@
 
     python tools/collapse_boundary.py --out runs/collapse_boundary \\
         --data-path data/bpe2k/news2k_text_document --tokenizer-model data/bpe2k/bpe2k.model
-    # default grid: widths 64,128,256 x depths 4,8,16, 3 seeds, both ends + 2 bisection steps (~2 h, 2 cores)
+    # default grid: widths 64,128,256 x depths 4,8,16, 3 seeds, both ends + 3 bisection steps
 
 For every (width, depth) of the grid, at fixed warmup, steps, sequence length and batch, the peak lr is
-bisected in log-lr between --lr-lo and --lr-hi (both ends first, then --bisect-steps midpoints), each
+bisected in log-lr between --lr-lo and --lr-hi (both ends first; an end on the wrong side moves out by
+--lr-widen, within [--lr-min, --lr-max], until the bracket holds; then --bisect-steps midpoints), each
 probe over --seeds; a probe "collapses" when >= half its seeds end in the collapsed state (outcome.py's
 collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
@@ -53,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=ints, default=[1, 2, 3])
     p.add_argument("--lr-lo", type=float, default=3e-3)
     p.add_argument("--lr-hi", type=float, default=1e-1)
-    p.add_argument("--bisect-steps", type=int, default=2)
+    p.add_argument("--lr-widen", type=float, default=10.0,
+                   help="factor an end moves out by when both ends collapse (or neither does)")
+    p.add_argument("--lr-min", type=float, default=1e-5, help="no probe below this: status 'below'")
+    p.add_argument("--lr-max", type=float, default=1.0, help="no probe above this: status 'above'")
+    p.add_argument("--bisect-steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=150)
     p.add_argument("--seq-length", type=int, default=32)
@@ -222,20 +227,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
         freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab,
                                           cache).aggregated
-        points = [Bracket(w, d, args.lr_lo, args.lr_hi) for w in args.widths for d in args.depths]
-        start = time.monotonic()
-        rounds = 1 + args.bisect_steps
-        for rnd in range(rounds):  # both ends, then the midpoints
+        points = [Bracket(w, d, args.lr_lo, args.lr_hi, steps=args.bisect_steps, widen=args.lr_widen,
+                          lr_min=args.lr_min, lr_max=args.lr_max) for w in args.widths for d in args.depths]
+        start, rnd = time.monotonic(), 0
+        while any(b.next_lrs() for b in points):  # ends (widening as needed), then the midpoints
             probe(args, points, freq)  # finished cells are read back, never re-run
             atomic_write_text(state, json.dumps([b.as_dict() for b in points], indent=1))
-            left = rounds - rnd - 1
-            took = time.monotonic() - start
-            print(f"[boundary] round {rnd + 1}/{rounds} done in {took:.0f} s; ETA "
-                  f"{took / (rnd + 1) * left / 60:.1f} min", flush=True)
+            rnd += 1
+            took, left = time.monotonic() - start, max(b.rounds_left() for b in points)
+            print(f"[boundary] round {rnd} done in {took:.0f} s; >= {left} rounds left; ETA "
+                  f"~{took / rnd * left / 60:.1f} min", flush=True)
     try:
         report(args, points)
     except ValueError as e:
-        print(f"error: {e}; widen --lr-lo/--lr-hi", file=sys.stderr)
+        print(f"error: {e}; every other point ended below --lr-min or above --lr-max (see the table): "
+              "widen them or change the grid", file=sys.stderr)
         return 2
     return 0
 

@@ -1,9 +1,11 @@
 """The collapse boundary lr*(d, L): bisection bookkeeping in log-lr and the power-law fit.
 
 A grid point (width d, depth L) keeps a bracket [lo, hi] with P(collapse | lo) < 1/2 <= P(collapse | hi)
-(estimated over seeds); each bisection step probes the geometric midpoint and keeps the half that still
-brackets 1/2. The estimate is the bracket's geometric centre; its interval is the bracket (the seed
-noise of each decision is reported with the probes, not folded in).
+(estimated over seeds). Both ends are probed first; an end on the wrong side widens the bracket by
+``widen`` in that direction (the end becomes the other end) until it brackets or would pass
+``lr_min``/``lr_max`` (status below/above). Then ``steps`` bisection steps each probe the geometric
+midpoint and keep the half that still brackets 1/2. The estimate is the bracket's geometric centre; its
+interval is the bracket (the seed noise of each decision is reported with the probes, not folded in).
 
 Fit: log lr* = a + b log d + c log L by least squares over the points with a finite bracket. Intervals
 by Monte Carlo over the brackets: each draw puts every point's log lr* uniformly in its bracket and
@@ -21,6 +23,10 @@ from typing import Any
 import numpy as np
 
 
+def _round(lr: float) -> float:
+    return float(f"{lr:.4g}")
+
+
 @dataclass
 class Bracket:
     width: int
@@ -28,31 +34,56 @@ class Bracket:
     lo: float
     hi: float
     probes: list[dict[str, Any]] = field(default_factory=list)  # {"lr", "k", "n"} in probing order
-    status: str = "open"  # open | below (lr* < lo: collapses at lo) | above (lr* > hi: never at hi)
+    status: str = "open"  # open | below (lr* < lr_min: collapses there) | above (lr* > lr_max)
+    steps: int = 2  # bisection steps once bracketed
+    widen: float = 10.0  # factor an end moves by when it is on the wrong side
+    lr_min: float = 1e-5
+    lr_max: float = 1.0
+    bisected: int = 0  # midpoints probed so far
 
     def record(self, lr: float, k: int, n: int) -> None:
-        """The outcome of probing ``lr`` with n seeds, k collapsed: narrows the bracket."""
+        """The outcome of probing ``lr`` with n seeds, k collapsed: widens or narrows the bracket. A probe
+        outside the current bracket (an old end after a widening) only joins the record."""
         self.probes.append({"lr": lr, "k": k, "n": n})
         collapses = 2 * k >= n
         if self.status != "open":
             return
-        if math.isclose(lr, self.lo) and collapses:
-            self.status = "below"
-        elif math.isclose(lr, self.hi) and not collapses:
-            self.status = "above"
-        elif not (math.isclose(lr, self.lo) or math.isclose(lr, self.hi)):
+        at_lo, at_hi = math.isclose(lr, self.lo), math.isclose(lr, self.hi)
+        if at_lo and collapses:
+            if self.lo / self.widen < self.lr_min * (1 - 1e-9):
+                self.status = "below"
+            else:
+                self.lo, self.hi = _round(self.lo / self.widen), self.lo
+        elif at_hi and not collapses:
+            if self.hi * self.widen > self.lr_max * (1 + 1e-9):
+                self.status = "above"
+            else:
+                self.lo, self.hi = self.hi, _round(self.hi * self.widen)
+        elif self.lo < lr < self.hi and not (at_lo or at_hi):
+            self.bisected += 1
             if collapses:
                 self.hi = lr
             else:
                 self.lo = lr
 
+    def _seen(self, lr: float) -> bool:
+        return any(math.isclose(lr, p["lr"]) for p in self.probes)
+
     def next_lrs(self) -> list[float]:
-        """The lrs to probe next: both ends first, then the geometric midpoint (none once not bracketed)."""
+        """The lrs to probe next: unprobed ends first, then the geometric midpoint, ``steps`` times (none
+        once not bracketed, or done)."""
         if self.status != "open":
             return []
-        seen = [p["lr"] for p in self.probes]
-        ends = [e for e in (self.lo, self.hi) if not any(math.isclose(e, s) for s in seen)]
-        return ends or [float(f"{math.sqrt(self.lo * self.hi):.4g}")]
+        ends = [e for e in (self.lo, self.hi) if not self._seen(e)]
+        if ends:
+            return ends
+        return [] if self.bisected >= self.steps else [_round(math.sqrt(self.lo * self.hi))]
+
+    def rounds_left(self) -> int:
+        """A lower bound on the probing rounds this point still needs."""
+        if self.status != "open":
+            return 0
+        return int(any(not self._seen(e) for e in (self.lo, self.hi))) + self.steps - self.bisected
 
     @property
     def estimate(self) -> float:

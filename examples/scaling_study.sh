@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The whole default study of docs/collapse_study.md "Scaling the study", one command, resumable (every run
+# is a tools/stability_sweep.py cell: a finished run is read back, never re-run), on the embedded news
+# corpus tokenized with a 2,048-token BPE trained on it. Parts (PARTS, default all four, in this order):
+#   outcomes  the delayed-collapse settings (4 layers, d 64, seq 64, batch 8, lr 3e-2, warmup 200, 400
+#             steps) over SEEDS (default 1-8), Post-Norm and its Pre-Norm twin: P(collapsed / delayed /
+#             plateau / trained) with Wilson 95 % intervals, early-warning calibration -> $RUNS/outcomes
+#   boundary  tools/collapse_boundary.py's default grid (widths 64,128,256 x depths 4,8,16, 3 seeds,
+#             ends + widening + 3 bisection steps; warmup 20, 150 steps, seq 32) -> $RUNS/boundary
+#             (boundary.json: python -m megapost.plan --collapse-boundary $RUNS/boundary/boundary.json)
+#   autopsy   --collapse-autopsy 40 on a collapsing (3) and a plateauing (1) delayed seed + the aligned
+#             figure -> $RUNS/autopsy, $RUNS/autopsy.png
+#   guard     both remedies (lr*0.5, rewarm) over GUARD_SEEDS on the immediate setting (12 layers, lr 1e-2,
+#             no warmup, 150 steps; + unguarded and Pre-Norm) and over the delayed seeds that collapse
+#             (DELAYED_GUARD_SEEDS, default 3,6) -> $RUNS/guard_*
+# Each part prints its wall time; the last line is the whole study's. JOBS processes (default: the cores),
+# one thread each.
+#
+#   bash examples/scaling_study.sh                          # all four parts
+#   PARTS=boundary bash examples/scaling_study.sh           # one part
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=${RUNS:-runs/scaling_study}
+PARTS=${PARTS:-outcomes,boundary,autopsy,guard}
+SEEDS=${SEEDS:-1,2,3,4,5,6,7,8}
+GUARD_SEEDS=${GUARD_SEEDS:-1,2,3,4}
+DELAYED_GUARD_SEEDS=${DELAYED_GUARD_SEEDS:-3,6}
+JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
+DATA_DIR=${DATA_DIR:-data/bpe2k}
+DATA=(--data-path "$DATA_DIR/news2k_text_document" --tokenizer-model "$DATA_DIR/bpe2k.model")
+DELAYED=(--depths 4 --lrs 3e-2 --warmups 200 --iters 400 --interval 4)
+IMMEDIATE=(--depths 12 --lrs 1e-2 --warmups 0 --iters 150 --interval 4)
+GUARD=(--collapse-guard --collapse-guard-retries 3)
+
+study_start=$(date +%s)
+part() {  # part NAME: run it if PARTS names it, with its wall time
+  [[ ",$PARTS," == *",$1,"* ]] || return 0
+  local t0
+  t0=$(date +%s)
+  "part_$1"
+  echo "[study] part $1: $(( $(date +%s) - t0 )) s"
+}
+
+part_outcomes() {
+  python tools/stability_sweep.py --out "$RUNS/outcomes" "${DATA[@]}" "${DELAYED[@]}" --variants post,pre \
+    --seeds "$SEEDS" --jobs "$JOBS"
+}
+
+part_boundary() {
+  python tools/collapse_boundary.py --out "$RUNS/boundary" "${DATA[@]}" --jobs "$JOBS"
+}
+
+part_autopsy() {
+  python tools/stability_sweep.py --out "$RUNS/autopsy" "${DATA[@]}" "${DELAYED[@]}" --variants post \
+    --seeds 1,3 --jobs "$JOBS" -- --collapse-early-warning --collapse-autopsy 40 \
+    --collapse-autopsy-after 160 --collapse-autopsy-hessian-every 8 --collapse-autopsy-power-iters 3
+  python tools/plot_autopsy.py --run "collapsed_s3=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s3/tensorboard" \
+    --run "plateau_s1=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s1/tensorboard" --out "$RUNS/autopsy" \
+    --align event
+}
+
+part_guard() {
+  python tools/stability_sweep.py --out "$RUNS/guard_none" "${DATA[@]}" "${IMMEDIATE[@]}" --variants post,pre \
+    --seeds "$GUARD_SEEDS" --jobs "$JOBS"
+  for remedy in 'lr*0.5' rewarm; do
+    python tools/stability_sweep.py --out "$RUNS/guard_${remedy//[*.]/}" "${DATA[@]}" "${IMMEDIATE[@]}" \
+      --variants post --seeds "$GUARD_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" --collapse-guard-remedy "$remedy"
+    python tools/stability_sweep.py --out "$RUNS/guard_delayed_${remedy//[*.]/}" "${DATA[@]}" "${DELAYED[@]}" \
+      --variants post --seeds "$DELAYED_GUARD_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" \
+      --collapse-guard-remedy "$remedy" --collapse-guard-interval 100
+  done
+}
+
+python tools/prepare_default_data.py >/dev/null
+if [ ! -f "$DATA_DIR/news2k_text_document.idx" ]; then
+  python tools/train_tokenizer.py --input 'data/news/*.json.gz' --vocab-size 2048 --output-prefix "$DATA_DIR/bpe2k"
+  python tools/preprocess_data.py --input 'data/news/*.json.gz' --output-prefix "$DATA_DIR/news2k" \
+    --tokenizer-model "$DATA_DIR/bpe2k.model" --append-eod --workers 1
+fi
+for name in outcomes boundary autopsy guard; do part "$name"; done
+echo "[study] the whole study ($PARTS): $(( $(date +%s) - study_start )) s with $JOBS jobs"
