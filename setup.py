@@ -10,6 +10,7 @@ setup(
     packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics",
                                                                  "collapse_metrics.analysis"],
     package_dir={"collapse_metrics": "plugins/collapse_metrics"},
+    package_data={"megapost.plan": ["*.json"]},  # the collapse-boundary fit the planner ships with
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.16",

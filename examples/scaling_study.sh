@@ -3,16 +3,17 @@
 # is a tools/stability_sweep.py cell: a finished run is read back, never re-run), on the embedded news
 # corpus tokenized with a 2,048-token BPE trained on it. Parts (PARTS, default all four, in this order):
 #   outcomes  the delayed-collapse settings (4 layers, d 64, seq 64, batch 8, lr 3e-2, warmup 200, 400
-#             steps) over SEEDS (default 1-8), Post-Norm and its Pre-Norm twin: P(collapsed / delayed /
+#             steps) over SEEDS (default 1-16), Post-Norm and its Pre-Norm twin: P(collapsed / delayed /
 #             plateau / trained) with Wilson 95 % intervals, early-warning calibration -> $RUNS/outcomes
 #   boundary  tools/collapse_boundary.py's default grid (widths 64,128,256 x depths 4,8,16, 3 seeds,
 #             ends + widening + 3 bisection steps; warmup 20, 150 steps, seq 32) -> $RUNS/boundary
 #             (boundary.json: python -m megapost.plan --collapse-boundary $RUNS/boundary/boundary.json)
-#   autopsy   --collapse-autopsy 40 on a collapsing (3) and a plateauing (1) delayed seed + the aligned
-#             figure -> $RUNS/autopsy, $RUNS/autopsy.png
-#   guard     both remedies (lr*0.5, rewarm) over GUARD_SEEDS on the immediate setting (12 layers, lr 1e-2,
-#             no warmup, 150 steps; + unguarded and Pre-Norm) and over the delayed seeds that collapse
-#             (DELAYED_GUARD_SEEDS, default 3,6) -> $RUNS/guard_*
+#   autopsy   --collapse-autopsy 40 on the first delayed seed that collapses and the first that ends on the
+#             plateau (else trains) in outcomes' results + the aligned figure -> $RUNS/autopsy{,.png}
+#   guard     both remedies (lr*0.5, rewarm) on the immediate setting (12 layers, lr 1e-2, no warmup, 150
+#             steps; on the alarm; GUARD_SEEDS, default 1-4; + unguarded and Pre-Norm) and on the delayed
+#             one (on the early warning, snapshots every 50 steps; GUARD_DELAYED_SEEDS, default SEEDS);
+#             P(rescued) per remedy (tools/guard_rescue.py) -> $RUNS/guard_{immediate,delayed}.md
 # Each part prints its wall time; the last line is the whole study's. JOBS processes (default: the cores),
 # one thread each.
 #
@@ -23,9 +24,9 @@ cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs/scaling_study}
 PARTS=${PARTS:-outcomes,boundary,autopsy,guard}
-SEEDS=${SEEDS:-1,2,3,4,5,6,7,8}
+SEEDS=${SEEDS:-1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16}
 GUARD_SEEDS=${GUARD_SEEDS:-1,2,3,4}
-DELAYED_GUARD_SEEDS=${DELAYED_GUARD_SEEDS:-3,6}
+GUARD_DELAYED_SEEDS=${GUARD_DELAYED_SEEDS:-$SEEDS}
 JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
 DATA_DIR=${DATA_DIR:-data/bpe2k}
 DATA=(--data-path "$DATA_DIR/news2k_text_document" --tokenizer-model "$DATA_DIR/bpe2k.model")
@@ -51,25 +52,52 @@ part_boundary() {
   python tools/collapse_boundary.py --out "$RUNS/boundary" "${DATA[@]}" --jobs "$JOBS"
 }
 
+seeds_that() {  # seeds_that OUTCOME...: the delayed Post-Norm seeds of the outcomes part with that outcome
+  python - "$RUNS/outcomes/results.csv" "$@" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["variant"] == "post"]
+for want in sys.argv[2:]:
+    seeds = [r["seed"] for r in rows if r["outcome"] == want]
+    if seeds:
+        print(",".join(seeds))
+        break
+else:
+    print("")
+PY
+}
+
 part_autopsy() {
+  local bad good name
+  bad=$(seeds_that collapsed | cut -d, -f1)
+  good=$(seeds_that plateau trained | cut -d, -f1)
+  if [ -z "$bad" ] || [ -z "$good" ]; then
+    echo "[study] autopsy skipped: outcomes has no collapsing and non-collapsing seed pair"; return 0
+  fi
+  if [ -n "$(seeds_that plateau)" ]; then name=plateau; else name=trained; fi
   python tools/stability_sweep.py --out "$RUNS/autopsy" "${DATA[@]}" "${DELAYED[@]}" --variants post \
-    --seeds 1,3 --jobs "$JOBS" -- --collapse-early-warning --collapse-autopsy 40 \
+    --seeds "$good,$bad" --jobs "$JOBS" -- --collapse-early-warning --collapse-autopsy 40 \
     --collapse-autopsy-after 160 --collapse-autopsy-hessian-every 8 --collapse-autopsy-power-iters 3
-  python tools/plot_autopsy.py --run "collapsed_s3=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s3/tensorboard" \
-    --run "plateau_s1=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s1/tensorboard" --out "$RUNS/autopsy" \
-    --align event
+  python tools/plot_autopsy.py --out "$RUNS/autopsy" --align event \
+    --run "collapsed_s$bad=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s$bad/tensorboard" \
+    --run "${name}_s$good=$RUNS/autopsy/cells/post_L4_lr0.03_w200_s$good/tensorboard"
 }
 
 part_guard() {
+  local tag guarded_immediate=() guarded_delayed=()
   python tools/stability_sweep.py --out "$RUNS/guard_none" "${DATA[@]}" "${IMMEDIATE[@]}" --variants post,pre \
     --seeds "$GUARD_SEEDS" --jobs "$JOBS"
   for remedy in 'lr*0.5' rewarm; do
-    python tools/stability_sweep.py --out "$RUNS/guard_${remedy//[*.]/}" "${DATA[@]}" "${IMMEDIATE[@]}" \
-      --variants post --seeds "$GUARD_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" --collapse-guard-remedy "$remedy"
-    python tools/stability_sweep.py --out "$RUNS/guard_delayed_${remedy//[*.]/}" "${DATA[@]}" "${DELAYED[@]}" \
-      --variants post --seeds "$DELAYED_GUARD_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" \
-      --collapse-guard-remedy "$remedy" --collapse-guard-interval 100
+    tag=${remedy//[*.]/}
+    python tools/stability_sweep.py --out "$RUNS/guard_$tag" "${DATA[@]}" "${IMMEDIATE[@]}" --variants post \
+      --seeds "$GUARD_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" --collapse-guard-remedy "$remedy"
+    python tools/stability_sweep.py --out "$RUNS/guard_delayed_$tag" "${DATA[@]}" "${DELAYED[@]}" \
+      --variants post --seeds "$GUARD_DELAYED_SEEDS" --jobs "$JOBS" -- "${GUARD[@]}" --collapse-early-warning \
+      --collapse-guard-on early --collapse-guard-interval 50 --collapse-guard-remedy "$remedy"
+    guarded_immediate+=(--guarded "$remedy=$RUNS/guard_$tag")
+    guarded_delayed+=(--guarded "$remedy=$RUNS/guard_delayed_$tag")
   done
+  python tools/guard_rescue.py --unguarded "$RUNS/guard_none" "${guarded_immediate[@]}" --out "$RUNS/guard_immediate.md"
+  python tools/guard_rescue.py --unguarded "$RUNS/outcomes" "${guarded_delayed[@]}" --out "$RUNS/guard_delayed.md"
 }
 
 python tools/prepare_default_data.py >/dev/null

@@ -18,6 +18,7 @@ from typing import Any
 from megapost.config.errors import ConfigError
 
 DEFAULT_BOUNDARY = Path("runs") / "collapse_boundary" / "boundary.json"
+SHIPPED_BOUNDARY = Path(__file__).with_name("collapse_boundary_post.json")  # examples/scaling_study.sh's fit
 ENV = "MEGAPOST_COLLAPSE_BOUNDARY"
 
 
@@ -42,8 +43,10 @@ def predict(fit: dict[str, Any], width: float, depth: float) -> dict[str, Any]:
 
 def load_boundary(path: str | None) -> tuple[dict[str, Any] | None, str]:
     """The boundary JSON (``path``, else $MEGAPOST_COLLAPSE_BOUNDARY, else runs/collapse_boundary/
-    boundary.json when present) and where it came from; (None, reason) when there is none."""
-    chosen = path or os.environ.get(ENV) or (str(DEFAULT_BOUNDARY) if DEFAULT_BOUNDARY.is_file() else None)
+    boundary.json when present, else the fit shipped with megapost: the default study's, measured on CPU)
+    and where it came from; (None, reason) when there is none."""
+    chosen = path or os.environ.get(ENV) or next(
+        (str(f) for f in (DEFAULT_BOUNDARY, SHIPPED_BOUNDARY) if f.is_file()), None)
     if chosen is None:
         return None, "no boundary fit (run tools/collapse_boundary.py, or pass --collapse-boundary FILE)"
     try:
