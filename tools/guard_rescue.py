@@ -24,7 +24,6 @@ from collapse_metrics.analysis.probabilities import wilson
 
 from megapost.utils.atomic import atomic_write_text
 
-
 Rows = dict[int, dict[str, str]]
 
 
