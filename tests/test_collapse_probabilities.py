@@ -197,3 +197,60 @@ def test_planner_prints_the_collapse_risk(tmp_path, capsys):
     assert low["risk"] == "low" and low["notes"] == [] and "outside" not in low["line"]
     assert "fitted for --norm-position post, not pre" in collapse_risk(
         {"placement": "post", "fit": fit}, "f", "pre", 64, 4, 1e-3, 20)["line"]
+
+
+def test_the_planner_ships_the_default_study_fit(tmp_path, monkeypatch, capsys):
+    """With no runs/ fit and no $MEGAPOST_COLLAPSE_BOUNDARY the planner reads the fit shipped with megapost
+    (examples/scaling_study.sh's boundary part); that file is consistent: every bracket's ends were probed
+    with the outcome its side requires, and its exponents are the least-squares fit of its own brackets."""
+    from megapost.plan.__main__ import main as plan_main
+    from megapost.plan.collapse_risk import SHIPPED_LABEL, load_boundary
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEGAPOST_COLLAPSE_BOUNDARY", raising=False)
+    data, source = load_boundary(None)
+    assert source == SHIPPED_LABEL and data["placement"] == "post"
+    points = [Bracket(**{k: v for k, v in b.items() if k != "estimate"}) for b in data["points"]]
+    for b in (p for p in points if p.status == "open"):
+        at = {round(p["lr"], 10): 2 * p["k"] >= p["n"] for p in b.probes}
+        assert at[round(b.lo, 10)] is False and at[round(b.hi, 10)] is True, (b.width, b.depth)
+    refit = fit_power_law(points)
+    assert refit["b_width"] == pytest.approx(data["fit"]["b_width"], abs=1e-9)
+    assert refit["c_depth"] == pytest.approx(data["fit"]["c_depth"], abs=1e-9)
+    plan_main(["--preset", "llama-1.3b", "--norm-position", "post", "--lr", "2e-4", "--gpus", "8"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("collapse risk:"))
+    assert f"fit {SHIPPED_LABEL})" in line and "outside the fitted range (extrapolation)" in line
+
+
+def test_the_verify_runs_are_trainer_commands_on_the_fits_data(monkeypatch):
+    """tools/collapse_boundary.py's GPU verification runs: lr*/2, lr*, 2 lr* x seeds at the next preset,
+    each one a command the trainer's own parser accepts, on the data and tokenizer the fit was made on."""
+    import shlex
+
+    from collapse_metrics.plugin import CollapseMetricsPlugin
+
+    from megapost.config.arguments import build_parser
+
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import collapse_boundary
+
+    args = collapse_boundary.build_parser().parse_args(
+        ["--out", "x", "--data-path", "d/news2k_text_document", "--tokenizer-model", "d/bpe2k.model",
+         "--seeds", "1,2"])
+    fit = {"log_a": math.log(0.5), "b_width": -0.5, "c_depth": -1.0, "samples": [[math.log(0.5), -0.5, -1.0]],
+           "range": {"widths": [32, 128], "depths": [2, 8]}}
+    rows = collapse_boundary.preset_rows(fit, ["llama-350m", "llama-7b"])
+    lines = collapse_boundary.verify_runs(args, fit, rows)
+    runs = [x for x in lines if not x.startswith("#")]
+    assert len(runs) == 6 and "9 runs" not in lines[-1] and lines[-1].startswith("# 6 runs at llama-350m")
+    star = 0.5 * 1024 ** -0.5 / 24
+    parser = build_parser([CollapseMetricsPlugin])
+    lrs = []
+    for cmd in runs:
+        argv = shlex.split(cmd.split("  #")[0])
+        assert argv[:3] == ["python", "-m", "megapost.pretrain"]
+        ns = parser.parse_args(argv[3:])
+        assert ns.data_path == ["d/news2k_text_document"]
+        assert ns.tokenizer_model == "d/bpe2k.model" and ns.lr_warmup_iters == 20 and ns.train_iters == 150
+        lrs.append(ns.lr)
+    assert sorted(set(lrs)) == pytest.approx([star / 2, star, 2 * star], rel=2e-3)

@@ -119,7 +119,8 @@ def preset_rows(fit: dict, names: Sequence[str]) -> list[dict]:
 
 def verify_runs(args: argparse.Namespace, fit: dict, rows: list[dict]) -> list[str]:
     """GPU runs at the next size (the smallest preset outside the fit): lr*/2, lr*, 2 lr* over the seeds,
-    at the fit's own warmup/steps/sequence/batch, with their planned cost (6 N tokens FLOPs at MFU 0.3)."""
+    at the fit's own data, tokenizer, warmup, steps, sequence and batch, with their planned cost (6 N tokens
+    FLOPs at MFU 0.3)."""
     lines = []
     outside = [r for r in rows if not r["inside"]]
     if not outside:
@@ -138,6 +139,7 @@ def verify_runs(args: argparse.Namespace, fit: dict, rows: list[dict]) -> list[s
         for s in args.seeds:
             lines.append(
                 f"python -m megapost.pretrain --preset {nxt['preset']} --norm-position {variant.placement} "
+                f"--data-path {args.data_path} --tokenizer-model {args.tokenizer_model} "
                 f"{flags}--lr {lr:.3g} --min-lr {lr / 10:.3g} --lr-warmup-iters {args.warmup} "
                 f"--train-iters {args.iters} --seq-length {args.seq_length} "
                 f"--global-batch-size {args.batch} --micro-batch-size {args.batch} --seed {s} "

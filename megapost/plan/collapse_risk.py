@@ -19,6 +19,7 @@ from megapost.config.errors import ConfigError
 
 DEFAULT_BOUNDARY = Path("runs") / "collapse_boundary" / "boundary.json"
 SHIPPED_BOUNDARY = Path(__file__).with_name("collapse_boundary_post.json")  # examples/scaling_study.sh's fit
+SHIPPED_LABEL = "megapost/plan/collapse_boundary_post.json, shipped: the default study on CPU"
 ENV = "MEGAPOST_COLLAPSE_BOUNDARY"
 
 
@@ -55,7 +56,7 @@ def load_boundary(path: str | None) -> tuple[dict[str, Any] | None, str]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--collapse-boundary {chosen}: not a tools/collapse_boundary.py JSON "
                           f"({type(e).__name__}: {e})") from None
-    return data, chosen
+    return data, SHIPPED_LABEL if chosen == str(SHIPPED_BOUNDARY) else chosen
 
 
 def collapse_risk(data: dict[str, Any] | None, source: str, placement: str, width: int, depth: int,
