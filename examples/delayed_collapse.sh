@@ -11,9 +11,12 @@
 # 6e-5..1.4e-3; the alarm prints "[collapse] COLLAPSED at step 328" (default threshold). Pre-Norm keeps
 # training (final 5.37, gap -1.13, t_sim 0.18).
 # ~40 s per run on 2 shared CPU cores (both runs + figures: 53 s).
-# Re-measured over seeds 1-8 with the current code (runs/delayed8, docs/collapse_study.md "Scaling the
-# study"): seeds 3 and 6 collapse (transition 308), seed 4 now ends on the plateau (final -0.06), so the
-# default seed is 3 (its Pre-Norm twin trains: final -0.98); SEED=4 gives the numbers above no longer.
+# Re-measured over seeds 1-16 with the current code on an AVX-512 CPU (examples/scaling_study.sh, part
+# outcomes; docs/collapse_study.md "Scaling the study"): seeds 8, 10, 12 collapse after learning (P = 0.19
+# [0.07, 0.43]); seeds 3 and 6, which collapsed in the previous round, now plateau. Which seeds collapse
+# moves with the code and the CPU's kernels (~1e-6 loss differences that this edge of stability
+# amplifies); the probability is what reproduces. The default seed is 8 (transition 320, alarm 360; its
+# Pre-Norm twin trains: final -1.28); the numbers above are seed 4's of an earlier round.
 #
 #   bash examples/delayed_collapse.sh                 # both runs, then figures
 #   WARMUP=100 LR=3e-2 bash examples/delayed_collapse.sh
@@ -29,7 +32,7 @@ LAYERS=${LAYERS:-4}
 LR=${LR:-3e-2}
 WARMUP=${WARMUP:-200}
 ITERS=${ITERS:-400}
-SEED=${SEED:-3}
+SEED=${SEED:-8}
 DATA_DIR=${DATA_DIR:-data/bpe2k}
 
 python tools/prepare_default_data.py >/dev/null

@@ -28,6 +28,7 @@ OUT=${OUT:-docs/figures/placement_study}
 VARIANTS=${VARIANTS:-post,pre,sandwich,deepnorm,mix,hybrid,pre-scaled,dyt,post+qk-norm,post+z-loss=1e-4}
 DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configurations
 DELAYED_WARMUPS=${DELAYED_WARMUPS:-200,100}
+DELAYED_SEED=${DELAYED_SEED:-4}  # the seed the README's placement table was measured at
 JOBS=${JOBS:-2}
 source examples/toy_settings.sh
 PHASE=${PHASE:-}  # toy or delayed: that configuration over PHASE_LRS x PHASE_WARMUPS too (off: costly)
@@ -52,7 +53,7 @@ sweeps=(--sweep "toy=$RUN_ROOT/toy")
 delayed_sweep() {  # delayed_collapse.sh's settings; "$1" = its RUN_ROOT, "$2" = its WARMUP, then sweep flags
   local root=$1 warmup=$2
   shift 2  # its Post/Pre figures go to $root/figures_{post,pre}
-  env -u LAYERS -u LR -u ITERS -u SEED RUN_ROOT="$root" FIG_ROOT="$root/figures" WARMUP="$warmup" \
+  env -u LAYERS -u LR -u ITERS SEED="$DELAYED_SEED" RUN_ROOT="$root" FIG_ROOT="$root/figures" WARMUP="$warmup" \
     bash examples/delayed_collapse.sh --variants "$DELAYED_VARIANTS" --jobs "$JOBS" "$@"
 }
 for w in ${DELAYED_WARMUPS//,/ }; do
