@@ -29,9 +29,13 @@ GUARD_SEEDS=${GUARD_SEEDS:-1,2,3,4}
 GUARD_DELAYED_SEEDS=${GUARD_DELAYED_SEEDS:-$SEEDS}
 JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
 DATA_DIR=${DATA_DIR:-data/bpe2k}
-DATA=(--data-path "$DATA_DIR/news2k_text_document" --tokenizer-model "$DATA_DIR/bpe2k.model")
-DELAYED=(--depths 4 --lrs 3e-2 --warmups 200 --iters 400 --interval 4)
-IMMEDIATE=(--depths 12 --lrs 1e-2 --warmups 0 --iters 150 --interval 4)
+CORPUS=${CORPUS:-}  # with TOKENIZER: another corpus prefix and its tokenizer (then nothing is prepared)
+DATA=(--data-path "${CORPUS:-$DATA_DIR/news2k_text_document}" --tokenizer-model "${TOKENIZER:-$DATA_DIR/bpe2k.model}")
+# SIZE_FLAGS: sweep flags appended to every part's runs (e.g. a smaller --hidden/--iters for a smoke run)
+read -r -a size <<< "${SIZE_FLAGS:-}"
+DELAYED=(--depths 4 --lrs 3e-2 --warmups 200 --iters 400 --interval 4 "${size[@]}")
+IMMEDIATE=(--depths 12 --lrs 1e-2 --warmups 0 --iters 150 --interval 4 "${size[@]}")
+read -r -a BOUNDARY <<< "${BOUNDARY_FLAGS:-}"  # e.g. --widths 64 --depths 4,8 (tools/collapse_boundary.py)
 GUARD=(--collapse-guard --collapse-guard-retries 3)
 
 study_start=$(date +%s)
@@ -49,7 +53,7 @@ part_outcomes() {
 }
 
 part_boundary() {
-  python tools/collapse_boundary.py --out "$RUNS/boundary" "${DATA[@]}" --jobs "$JOBS"
+  python tools/collapse_boundary.py --out "$RUNS/boundary" "${DATA[@]}" --jobs "$JOBS" "${BOUNDARY[@]}"
 }
 
 seeds_that() {  # seeds_that OUTCOME...: the delayed Post-Norm seeds of the outcomes part with that outcome
@@ -100,11 +104,13 @@ part_guard() {
   python tools/guard_rescue.py --unguarded "$RUNS/outcomes" "${guarded_delayed[@]}" --out "$RUNS/guard_delayed.md"
 }
 
-python tools/prepare_default_data.py >/dev/null
-if [ ! -f "$DATA_DIR/news2k_text_document.idx" ]; then
-  python tools/train_tokenizer.py --input 'data/news/*.json.gz' --vocab-size 2048 --output-prefix "$DATA_DIR/bpe2k"
-  python tools/preprocess_data.py --input 'data/news/*.json.gz' --output-prefix "$DATA_DIR/news2k" \
-    --tokenizer-model "$DATA_DIR/bpe2k.model" --append-eod --workers 1
+if [ -z "$CORPUS" ]; then
+  python tools/prepare_default_data.py >/dev/null
+  if [ ! -f "$DATA_DIR/news2k_text_document.idx" ]; then
+    python tools/train_tokenizer.py --input 'data/news/*.json.gz' --vocab-size 2048 --output-prefix "$DATA_DIR/bpe2k"
+    python tools/preprocess_data.py --input 'data/news/*.json.gz' --output-prefix "$DATA_DIR/news2k" \
+      --tokenizer-model "$DATA_DIR/bpe2k.model" --append-eod --workers 1
+  fi
 fi
 for name in outcomes boundary autopsy guard; do part "$name"; done
 echo "[study] the whole study ($PARTS): $(( $(date +%s) - study_start )) s with $JOBS jobs"

@@ -2,7 +2,8 @@
 
     python tools/collapse_boundary.py --out runs/collapse_boundary \\
         --data-path data/bpe2k/news2k_text_document --tokenizer-model data/bpe2k/bpe2k.model
-    # default grid: widths 64,128,256 x depths 4,8,16, 3 seeds, both ends + 3 bisection steps
+    # default grid: widths 64,128,256 x depths 4,8,16, 3 seeds, ends + widening + 3 bisection steps
+    # (150 runs, 40 min at --jobs 2 on 2 cores)
 
 For every (width, depth) of the grid, at fixed warmup, steps, sequence length and batch, the peak lr is
 bisected in log-lr between --lr-lo and --lr-hi (both ends first; an end on the wrong side moves out by

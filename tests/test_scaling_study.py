@@ -1,0 +1,80 @@
+"""examples/scaling_study.sh end to end at tiny sizes (the real tools and trainer), and
+tools/collapse_boundary.py's probing loop against a known threshold."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+
+import pytest
+from launch_utils import REPO
+
+
+def test_scaling_study_script_smoke(tiny_data, tmp_path):
+    """Outcomes, autopsy and guard parts at tiny sizes: each writes its tables; the guard's rescue tables
+    count the seeds of the outcomes part."""
+    runs = tmp_path / "runs"
+    env = {"CORPUS": tiny_data.prefix, "TOKENIZER": tiny_data.tokenizer_model, "RUNS": str(runs),
+           "PARTS": "outcomes,autopsy,guard", "SEEDS": "1", "GUARD_SEEDS": "1", "JOBS": "2",
+           "SIZE_FLAGS": "--hidden 32 --seq-length 16 --batch 2 --iters 6 --interval 1"}
+    proc = subprocess.run(["bash", "examples/scaling_study.sh"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for part in ("outcomes", "autopsy", "guard"):
+        assert f"[study] part {part}: " in proc.stdout
+    assert "[study] autopsy skipped" in proc.stdout  # one seed: no collapsing/non-collapsing pair
+    rows = list(csv.DictReader(open(runs / "outcomes" / "results.csv")))
+    assert sorted((r["variant"], r["seed"]) for r in rows) == [("post", "1"), ("pre", "1")]
+    args = json.loads((runs / "outcomes" / "cells" / "post_L4_lr0.03_w200_s1" / "tensorboard" / "args.json")
+                      .read_text())
+    assert args["hidden_size"] == 32 and args["train_iters"] == 6 and args["lr_warmup_iters"] == 200
+    for name in ("guard_immediate.md", "guard_delayed.md"):
+        table = (runs / name).read_text().splitlines()
+        assert table[0].startswith("| remedy | rescued / collapsing unguarded |")
+        assert [line.split(" | ")[0] for line in table[2:]] == ["| `lr*0.5`", "| `rewarm`"]
+    guarded = json.loads((runs / "guard_delayed_rewarm" / "cells" / "post_L4_lr0.03_w200_s1" / "tensorboard"
+                          / "args.json").read_text())
+    assert guarded["collapse_guard_remedy"] == "rewarm" and guarded["collapse_guard_on"] == "early"
+
+
+def test_boundary_loop_widens_bisects_and_reports(tmp_path, monkeypatch, capsys):
+    """collapse_boundary.main with its trainer runs replaced by a known law (collapse iff lr >= 0.05 d^-0.5
+    L^-1, two points below the default range's 3e-3): the probing loop widens the bracket where both ends
+    collapse, bisects, never probes one lr twice, and writes brackets.json, boundary.json (the fit
+    recovers the law), boundary.png and verify.sh."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import collapse_boundary
+
+    calls = []
+
+    def fake_run(args, cell, freq):
+        width = int(args.out.rsplit("d", 1)[1])
+        calls.append((width, cell.depth, cell.lr, cell.seed))
+        collapsed = cell.lr >= 0.05 * width ** -0.5 / cell.depth
+        return {"outcome": "collapsed" if collapsed else "trained",
+                "final_grad_ratio": 0.0 if collapsed else 1.0}
+
+    monkeypatch.setattr(collapse_boundary, "run_cell", fake_run)
+    monkeypatch.setattr(collapse_boundary, "train_split_frequency_loss",
+                        lambda *a: type("F", (), {"aggregated": 6.5})())
+    monkeypatch.setattr(collapse_boundary, "SentencePieceTokenizer",
+                        lambda m: type("T", (), {"vocab_size": 64}))
+    out = tmp_path / "b"
+    assert collapse_boundary.main(["--out", str(out), "--data-path", str(tmp_path / "d"), "--tokenizer-model",
+                                   "t.model", "--widths", "16,64", "--depths", "2,8", "--seeds", "1,2",
+                                   "--jobs", "1"]) == 0
+    assert len(calls) == len(set(calls))  # no (point, lr, seed) probed twice
+    points = json.loads((out / "brackets.json").read_text())
+    for b in points:
+        true = 0.05 * b["width"] ** -0.5 / b["depth"]
+        assert b["status"] == "open" and b["lo"] < true <= b["hi"] and b["bisected"] == 3
+        lrs = [p["lr"] for p in b["probes"]]
+        assert lrs[:2] == [0.003, 0.1] and (3e-4 in lrs) == (true < 3e-3), (b["width"], b["depth"], lrs)
+    fit = json.loads((out / "boundary.json").read_text())["fit"]
+    # bracket ratios <= 10^(1/8) or (100/3)^(1/8): log-lr within 0.22 of the truth; 4x in width and depth
+    assert fit["b_width"] == pytest.approx(-0.5, abs=0.35) and fit["c_depth"] == pytest.approx(-1.0, abs=0.35)
+    assert (out / "boundary.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "verify.sh").read_text().startswith("#!/usr/bin/env bash\npython -m megapost.pretrain")
+    assert "[boundary] round 1 done" in capsys.readouterr().out
