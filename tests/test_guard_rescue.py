@@ -10,6 +10,8 @@ import pytest
 from launch_utils import REPO
 
 FIELDS = ("variant", "seed", "outcome", "final_gap")
+REST = {"depth": 4, "lr": 0.03, "warmup": 200, "freq_loss": 6.5, "best_gap": -0.5, "final_tsim": 0.5,
+        "final_grad_ratio": 1.0, "alarm_step": "", "transition_step": "", "delayed": False}
 
 
 @pytest.fixture
@@ -22,9 +24,9 @@ def guard_rescue(monkeypatch):
 def _sweep(folder, rows):
     folder.mkdir()
     with (folder / "results.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=[*FIELDS, *REST])  # stability_sweep's columns
         w.writeheader()
-        w.writerows(dict(zip(FIELDS, r, strict=True)) for r in rows)
+        w.writerows({**dict(zip(FIELDS, r, strict=True)), **REST} for r in rows)
     return str(folder)
 
 
@@ -55,5 +57,6 @@ def test_a_missing_sweep_is_one_line(guard_rescue, tmp_path, capsys):
 def test_no_seed_at_risk_counts_nothing(guard_rescue, tmp_path):
     unguarded = _sweep(tmp_path / "none", [("post", 1, "trained", -0.5)])
     guarded = _sweep(tmp_path / "g", [("post", 1, "trained", -0.6)])
-    r = guard_rescue.rescue_rows(guard_rescue.read(unguarded, "post"), guard_rescue.read(guarded, "post"))
+    r = guard_rescue.rescue_rows(guard_rescue.read(unguarded, "post", "--unguarded", ""),
+                                 guard_rescue.read(guarded, "post", "--guarded", "g"))
     assert (r["rescued"], r["risk"], r["seeds"]) == ([], [], [1])

@@ -14,30 +14,27 @@ the guarded, the unguarded and the Pre-Norm twin runs (``pre`` rows of the ungua
 from __future__ import annotations
 
 import argparse
-import csv
+import math
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from collapse_metrics.analysis.probabilities import wilson
+from placement_table import load_sweep
 
 from megapost.utils.atomic import atomic_write_text
 
-Rows = dict[int, dict[str, str]]
+Rows = dict[int, dict[str, object]]
 
 
-def read(folder: str, variant: str) -> Rows:
-    """seed -> row of ``variant`` in ``folder``/results.csv."""
-    path = Path(folder) / "results.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no results.csv (run tools/stability_sweep.py --out {folder} first)")
-    with path.open(encoding="utf-8", newline="") as f:
-        return {int(r["seed"]): r for r in csv.DictReader(f) if r["variant"] == variant}
+def read(folder: str, variant: str, flag: str, name: str) -> Rows:
+    """seed -> typed row of ``variant`` in ``folder``/results.csv (placement_table's reader)."""
+    return {int(r["seed"]): r for r in load_sweep(name, Path(folder), flag) if r["variant"] == variant}
 
 
-def _gap(rows: Sequence[dict[str, str]]) -> str:
-    gaps = [float(r["final_gap"]) for r in rows if r.get("final_gap") not in (None, "")]
+def _gap(rows: Sequence[dict[str, object]]) -> str:
+    gaps = [float(r["final_gap"]) for r in rows if not math.isnan(float(r["final_gap"]))]
     return f"{statistics.fmean(gaps):+.2f}" if gaps else "–"
 
 
@@ -52,12 +49,13 @@ def rescue_rows(unguarded: Rows, guarded: Rows) -> dict[str, list[int]]:
 
 
 def table(args: argparse.Namespace) -> str:
-    unguarded, pre = read(args.unguarded, args.variant), read(args.unguarded, "pre")
+    unguarded = read(args.unguarded, args.variant, "--unguarded", "")
+    pre = read(args.unguarded, "pre", "--unguarded", "")
     lines = ["| remedy | rescued / collapsing unguarded | to a plateau | P(collapsed) guarded | unguarded | "
              "final gap guarded | unguarded | Pre-Norm twin |", "|---|---|---|---|---|---|---|---|"]
     for spec in args.guarded:
         name, _, folder = spec.partition("=")
-        guarded = read(folder, args.variant)
+        guarded = read(folder, args.variant, "--guarded", name)
         r = rescue_rows(unguarded, guarded)
         seeds = r["seeds"]
         k, n = len(r["rescued"]), len(r["risk"])
@@ -82,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         text = table(args)
-    except (FileNotFoundError, KeyError, ValueError) as e:
+    except SystemExit as e:  # load_sweep's one line
+        print(e, file=sys.stderr)
+        return 2
+    except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)

@@ -44,11 +44,13 @@ def _int(text: str) -> int | None:
     return int(float(text)) if text not in ("", "None") else None
 
 
-def load_sweep(config: str, folder: Path) -> list[dict[str, object]]:
-    """The sweep's results.csv rows, typed, with the path of each cell's collapse_metrics.jsonl."""
+def load_sweep(config: str, folder: Path, flag: str = "--sweep") -> list[dict[str, object]]:
+    """The sweep's results.csv rows, typed, with the path of each cell's collapse_metrics.jsonl (``flag``
+    names the option that gave ``config=folder`` in the error)."""
     path = folder / "results.csv"
     if not path.is_file():
-        raise SystemExit(f"error: --sweep {config}={folder}: {path} not found (run tools/stability_sweep.py "
+        given = f"{config}={folder}" if config else str(folder)
+        raise SystemExit(f"error: {flag} {given}: {path} not found (run tools/stability_sweep.py "
                          f"--out {folder} first)")
     rows = []
     with open(path, encoding="utf-8", newline="") as f:
