@@ -4,6 +4,7 @@ broken, naming the contract, by one bad import in a copy of it."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,3 +59,33 @@ def test_a_bad_import_breaks_its_contract(tree_copy: Path, module: str, bad_impo
     assert proc.returncode != 0, proc.stdout[-3000:]
     broken = proc.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken and bad_import.split()[-1] in broken, proc.stdout[-3000:]
+
+
+# ---- DeepSpeed's private API only in megapost.ds_adapter ------------------------------------------------
+PRIVATE_DEEPSPEED = re.compile(r"deepspeed\.runtime|_hp_mapping|_hp_grad\b|_lazy_init_hp|fp32_groups_flat|"
+                               r"bit16_groups|_take_model_step|\._global_grad_norm|enable_backward_allreduce|"
+                               r"\bengine\._[a-z]")
+
+
+def private_deepspeed_access(root: Path) -> list[str]:
+    """``file:line`` of every use of DeepSpeed's private API outside megapost/ds_adapter/."""
+    hits = []
+    for path in sorted((root / "megapost").rglob("*.py")):
+        if "ds_adapter" in path.parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE_DEEPSPEED.search(line):
+                hits.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_private_deepspeed_api_only_in_the_adapter(tree_copy: Path) -> None:
+    assert private_deepspeed_access(ROOT) == []
+    path = tree_copy / "megapost" / "checkpoint" / "sharded.py"
+    original = path.read_text()
+    path.write_text(original + "\nfrom deepspeed.runtime.utils import see_memory_usage  # deliberately\n")
+    try:
+        hits = private_deepspeed_access(tree_copy)
+        assert [h.split(":")[0] for h in hits] == ["megapost/checkpoint/sharded.py"], hits
+    finally:
+        path.write_text(original)

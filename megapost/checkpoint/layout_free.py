@@ -30,6 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megapost.config.errors import ConfigError
+from megapost.ds_adapter import fragments
 from megapost.model import LlamaModel, ModelConfig
 from megapost.utils.atomic import atomic_path
 
@@ -90,9 +91,7 @@ def _adam_step(engine: Any) -> int | None:
     return None
 
 
-def _is_mapped(p: nn.Parameter) -> bool:
-    """Held by a DeepSpeed mixed-precision/ZeRO optimizer (fp32 master in its flat partitions)."""
-    return hasattr(p, "_hp_mapping")
+_is_mapped = fragments.is_mapped
 
 
 def _create_adam_state(engine: Any, step: int) -> None:
@@ -110,22 +109,15 @@ def _create_adam_state(engine: Any, step: int) -> None:
 
 def _link_state(engine: Any) -> None:
     """(Re)point DeepSpeed's per-parameter fragments at the base optimizer's current state tensors."""
-    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    fragments.link_state(engine.optimizer)
 
 
 def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], has_state: bool) -> None:
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     fp32 = values["fp32"].to(p.device)
     with torch.no_grad():
         p.data.copy_(fp32.to(p.dtype))
     if _is_mapped(p):
-        safe_set_full_fp32_param(p, fp32)
-        if has_state:
-            for k in MOMENTS:
-                safe_set_full_optimizer_state(p, values[k].to(p.device), k)
+        fragments.set_full(p, fp32, {k: values[k].to(p.device) for k in MOMENTS} if has_state else {})
     elif has_state:
         state = _base_optimizer(engine).state[p]
         for k in MOMENTS:

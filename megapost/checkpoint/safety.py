@@ -20,15 +20,11 @@ import re
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from megapost.config.errors import ConfigError
+from megapost.ds_adapter.internals import CHECKPOINT_GLOBALS, CheckpointEngineBase, engine_config
 
-# Every non-builtin global in the files DeepSpeed writes for megapost (ZeRO 0/1/2, bf16, PP > 1).
-ALLOWED_GLOBALS: tuple[type, ...] = (LossScaler, ZeroStageEnum, fragment_address)
+ALLOWED_GLOBALS: tuple[type, ...] = CHECKPOINT_GLOBALS  # DeepSpeed's classes in its files for megapost
 TRUST_HINT = ("pass --trust-checkpoint only if you trust whoever wrote it (unpickling a crafted file "
               "runs arbitrary code)")
 _SPACE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
@@ -108,7 +104,7 @@ def write_error(e: OSError, fallback_path: str, last_complete: str | None) -> Co
                        f"{path}; the last complete checkpoint is {last_complete or 'none'}")
 
 
-class SafeCheckpointEngine(TorchCheckpointEngine):
+class SafeCheckpointEngine(CheckpointEngineBase):
     """DeepSpeed's torch checkpoint engine with a weights-only loader and errno-preserving writes."""
 
     def __init__(self, config_params: Any = None, trust: bool = False) -> None:
@@ -149,5 +145,5 @@ def os_error_behind(e: BaseException, path: str) -> OSError | None:
 def install(engine: Any, trust: bool = False) -> SafeCheckpointEngine:
     """Make ``engine`` (plain or pipeline; its module's layer files go through it too) save and load
     through :class:`SafeCheckpointEngine`. Call right after ``deepspeed.initialize``."""
-    engine.checkpoint_engine = SafeCheckpointEngine(engine._config, trust=trust)
+    engine.checkpoint_engine = SafeCheckpointEngine(engine_config(engine), trust=trust)
     return engine.checkpoint_engine

@@ -2,8 +2,8 @@
 
 Each rank writes ``layout_free/shard-tpTT-ppPP-dpDD.safetensors``: for every parameter of its
 (TP, PP) shard, the part of the flattened fp32 master and Adam moments it owns — its ZeRO partition
-(DeepSpeed's ``param._hp_mapping``: ``lp_fragment_address`` (start, numel) in the flattened parameter,
-``hp_fragment`` and the optimizer-state fragments views of the flat fp32 partition) or, without ZeRO
+(DeepSpeed's per-parameter fragments, ``megapost.ds_adapter.fragments``: (start, numel) in the flattened
+parameter, the fp32 master and optimizer-state fragments views of the flat fp32 partition) or, without ZeRO
 (each data-parallel rank holds all of it), the whole local tensor from data-parallel rank 0 only —
 as 1-D tensors ``fp32/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, plus the rank's RNG. The
 header metadata ``megapost`` (JSON) gives per name the full shape, the TP split (dim, offset), the
@@ -29,6 +29,7 @@ import torch
 from megapost.checkpoint import layout_free as lf
 from megapost.checkpoint.layout_free import shard_file_v2 as shard_file
 from megapost.checkpoint.stream_write import Staging, write_safetensors
+from megapost.ds_adapter import fragments
 
 FORMAT = 2
 
@@ -51,15 +52,8 @@ class RankFiles:
 def _fragments(engine: Any, p: torch.nn.Parameter, dp_rank: int,
                has_state: bool) -> tuple[int, int, dict[str, torch.Tensor]] | None:
     """(start, numel, {kind: 1-D tensor}) this rank owns of ``p`` (flattened), or None."""
-    if lf._is_mapped(p):
-        mapping = p._hp_mapping
-        if mapping is None:
-            return None  # this rank's ZeRO partition holds none of p
-        address = mapping.lp_fragment_address
-        values = {"fp32": mapping.get_hp_fragment()}
-        if has_state:
-            values.update({k: mapping.get_hp_fragment(k) for k in lf.MOMENTS})
-        return address.start, address.numel, {k: v.detach().reshape(-1) for k, v in values.items()}
+    if lf._is_mapped(p):  # None: this rank's ZeRO partition holds none of p
+        return fragments.owned_fragment(p, (fragments.MASTER, *(lf.MOMENTS if has_state else ())))
     if dp_rank != 0:
         return None  # replicated over data parallelism: data-parallel rank 0 writes it
     values = {"fp32": p.detach()}

@@ -213,6 +213,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="save a checkpoint and exit 0 when the iteration is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, default=0.0,
                    help="save a checkpoint and exit 0 at the first step boundary after this many minutes")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=10,
+                   help="a step with a non-finite gradient norm is skipped (weights, optimizer state and "
+                        "lr schedule unchanged) and counted; stop after this many in a row (checked at log "
+                        "steps)")
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                   help="iterations whose batches are consumed without a step (Megatron-LM's meaning), "
+                        "e.g. to step over a bad batch on a resume")
 
 
 def build_parser(plugin_classes: Sequence[type] = ()) -> argparse.ArgumentParser:
@@ -312,6 +319,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                                "--sequence-parallel (off: --tensor-model-parallel-size is 1, as Megatron)"]
     _validate_tokenizer(args)
     _validate_data(args)
+    if args.max_consecutive_skipped_iterations < 1:
+        raise ConfigError(f"--max-consecutive-skipped-iterations {args.max_consecutive_skipped_iterations}: "
+                          "must be >= 1")
+    if any(i < 1 for i in args.iterations_to_skip):
+        raise ConfigError(f"--iterations-to-skip {' '.join(map(str, args.iterations_to_skip))}: iterations "
+                          "count from 1")
     if args.load and args.load_hf:
         raise ConfigError("--load and --load-hf both given; --load resumes a run, --load-hf starts one")
     if args.load and not os.path.isdir(args.load):

@@ -122,6 +122,8 @@ class RuntimeConfig:
     exit_signal_handler: bool
     deepspeed_config: str | None
     plugins: str
+    iterations_to_skip: tuple[int, ...] = ()  # Megatron-LM's --iterations-to-skip
+    max_consecutive_skipped_iterations: int = 10
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
         runtime=RuntimeConfig(a.train_iters, a.eval_interval, a.eval_iters, bool(a.bf16),
                               a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
                               a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,
-                              a.deepspeed_config, a.plugins),
+                              a.deepspeed_config, a.plugins, tuple(a.iterations_to_skip),
+                              a.max_consecutive_skipped_iterations),
         engine=engine,
         flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
                                 "zero_stage": engine.zero_stage,

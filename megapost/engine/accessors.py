@@ -18,34 +18,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from megapost.ds_adapter import fragments
+
 
 def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
     """The part of ``param``'s reduced gradient whose squared norm this rank contributes (or None)."""
     if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
         return None
-    if getattr(param, "_hp_grad", None) is not None:  # DeepSpeed BF16_Optimizer
-        return _hp_fragment(param)
+    if fragments.has_bf16_grad(param):  # DeepSpeed BF16_Optimizer
+        return fragments.grad_fragment(param)
     if param.grad is not None:
         return param.grad if dp_rank == 0 else None
     if hasattr(param, "ds_id"):  # ZeRO-3
-        from deepspeed.utils import safe_get_local_grad
-
-        return safe_get_local_grad(param)
-    if hasattr(param, "_hp_mapping"):  # ZeRO 1/2
-        return _hp_fragment(param)
+        return fragments.local_zero3_grad(param)
+    if fragments.is_mapped(param):  # ZeRO 1/2
+        return fragments.grad_fragment(param)
     return None
-
-
-def _hp_fragment(param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's slice of the flat-partitioned gradient (as in DeepSpeed's ``get_full_hp_grad``)."""
-    mapping = param._hp_mapping
-    if mapping is None:  # this rank's partition holds no element of param
-        return None
-    grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
-    address = mapping.lp_fragment_address
-    if grad.numel() == param.numel():  # a full accumulation buffer: keep the owned slice
-        grad = grad.narrow(0, address.start, address.numel)
-    return grad
 
 
 def loss_scale(engine: Any) -> float:
@@ -64,9 +52,10 @@ def optimizer_state(engine: Any, param: nn.Parameter) -> dict[str, Any]:
 
 
 def optimizer_hyperparameters(engine: Any) -> dict[str, Any]:
-    """The first param group's hyperparameters, without its parameter list."""
+    """The first param group's hyperparameters, without its parameter list (a device lr as a float)."""
     group = engine.optimizer.param_groups[0]
-    return {k: v for k, v in group.items() if k != "params"}
+    return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+            for k, v in group.items() if k != "params"}
 
 
 def scale_lr(engine: Any, lr: float, warmup: float, rewarm: tuple[int, int, float] | None = None) -> None:

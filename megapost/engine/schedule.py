@@ -2,6 +2,10 @@
 
 WSD (warmup-stable-decay, Megatron's ``--lr-decay-style WSD``): after warmup the lr stays at --lr
 until the last ``wsd_decay_iters`` of ``decay_iters``, then anneals to --min-lr with ``wsd_style``.
+
+With a sync-free step (``count_on_device``) the schedule runs on the device: the step count is a device
+tensor that a skipped step (non-finite gradient) does not advance, and the lr a device tensor (fused
+AdamW takes it as is) looked up in a table of ``lr_at`` values, so no step waits for the host.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def rewarm_scale(step: int, rewarm: tuple[int, int, float] | None) -> float:
 class WarmupDecaySchedule:
     """Sets the lr of every param group; its state is the step count (saved in checkpoints)."""
 
+    _count: torch.Tensor | None = None  # on the device (count_on_device): steps taken, skips excluded
+
     def __init__(self, optimizer: torch.optim.Optimizer, lr: float, min_lr: float, warmup: int,
                  decay_iters: int, style: str, wsd_decay_iters: int = 0,
                  wsd_style: str = "exponential", warmup_init: float = 0.0) -> None:
@@ -76,21 +82,64 @@ class WarmupDecaySchedule:
         c = self.configured
         self.rewarm = rewarm
         self.params.update(lr=c["lr"] * lr, min_lr=c["min_lr"] * lr, warmup=round(c["warmup"] * warmup))
+        if self._count is not None:
+            self._table = self._lr_table(self._table.device)
         self._apply()
 
-    def get_lr(self) -> list[float]:
-        return [lr_at(self.num_steps, **self.params) * rewarm_scale(self.num_steps, self.rewarm)]
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken (skipped ones excluded); a host read when counted on the device."""
+        return self._steps if self._count is None else int(self._count)
 
-    def get_last_lr(self) -> list[float]:
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        self._steps = int(value)
+        if self._count is not None:
+            self._count.fill_(int(value))
+
+    def count_on_device(self, skipped: torch.Tensor) -> None:
+        """Count steps and set the lr on ``skipped``'s device from now on: ``step()`` advances the count
+        by ``1 - skipped`` (the flag the sync-free step sets) and writes the lr into one device tensor
+        that every param group holds (the optimizer must take a tensor lr: fused AdamW)."""
+        device = skipped.device
+        self._skipped = skipped
+        self._table = self._lr_table(device)
+        self._count = torch.tensor(self._steps, dtype=torch.long, device=device)
+        self._lr = torch.zeros((), dtype=torch.float32, device=device)
+        self._apply()
+
+    def _lr_table(self, device: torch.device) -> torch.Tensor:
+        """``lr_at`` x ``rewarm_scale`` for every step up to where the lr stops changing."""
+        p, end = self.params, self.rewarm[0] + self.rewarm[1] if self.rewarm else 0
+        last = max(p["decay_iters"], p["warmup"], end) + 1
+        values = [lr_at(s, **p) * rewarm_scale(s, self.rewarm) for s in range(last + 1)]
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def get_lr(self) -> list[Any]:
+        """The lr of the next step (a device tensor when counted on the device)."""
+        if self._count is not None:
+            return [self._lr]
+        return [lr_at(self._steps, **self.params) * rewarm_scale(self._steps, self.rewarm)]
+
+    def get_last_lr(self) -> list[Any]:
         return self.get_lr()
 
     def _apply(self) -> None:
+        if self._count is not None:
+            index = self._count.clamp(max=self._table.numel() - 1).reshape(1)
+            self._lr.copy_(self._table.index_select(0, index).reshape(()))
+            for group in self.optimizer.param_groups:  # again after an optimizer load_state_dict
+                group["lr"] = self._lr
+            return
         lr = self.get_lr()[0]
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def step(self, increment: Any = None) -> None:
-        self.num_steps += 1
+        if self._count is not None:
+            self._count.add_((1 - self._skipped).to(torch.long))  # a skipped step leaves the schedule
+        else:
+            self._steps += 1
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megapost.ds_adapter.internals import pipeline_grid
 from megapost.parallel.layout import PP_FLAG, TP_FLAG
 from megapost.parallel.state import ParallelState, set_parallel_state
 
@@ -32,10 +33,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, sequence_parallel: bool = Fals
         state = ParallelState(sequence_parallel=sp)
         set_parallel_state(state)
         return state
-    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
-
-    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
-    grid = PipelineParallelGrid(topology=topology)
+    topology, grid = pipeline_grid(pp, tp, world // (tp * pp))
     coord = topology.get_coord(dist.get_rank())
     state = ParallelState(
         tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),

@@ -62,7 +62,7 @@ def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
     DeepSpeed's ``partition_balanced`` over [embedding, blocks..., head] with weight 1 per block."""
     if pp == 1:
         return (num_layers,)
-    from deepspeed.runtime.utils import partition_balanced
+    from megapost.ds_adapter.internals import partition_balanced
 
     parts = partition_balanced([0] + [1] * num_layers + [0], pp)
     return tuple(sum(1 for i in range(parts[s], parts[s + 1]) if 1 <= i <= num_layers) for s in range(pp))

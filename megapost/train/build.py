@@ -148,7 +148,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
-    engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
+    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 

@@ -4,6 +4,7 @@ finite guard), continuing a resumed run's logs, and in-memory snapshots for roll
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from megapost.checkpoint import io as checkpoint_io
 from megapost.config.resolved import Config
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
+from megapost.train.logger import host_norms
 from megapost.train.plugin_host import PluginHost
 
 
@@ -39,7 +41,9 @@ class CheckpointManager:
 
     def save(self) -> None:
         st = self.state
-        pending = [t for _, loss, norm, _ in st.losses for t in (loss, norm)]
+        norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
+        pending = [loss for (_, loss, _, _), n in zip(st.losses, norms, strict=True)
+                   if n is None or math.isfinite(n)]
         finite_guard.refuse_non_finite(self.engine.module.parameters(), pending, st.iteration,
                                        self.ckpt.save, self.device)
         tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self.host.states(),

@@ -1,5 +1,9 @@
 """The training logger: per-interval monitor lines and TensorBoard scalars (loss, lr, grad norm, z-loss,
-throughput), the non-finite stop, and the one-time measured-vs-planned memory report."""
+skipped iterations, throughput), the non-finite stop, and the one-time measured-vs-planned memory report.
+
+A step whose grad norm is not finite was skipped (``megapost.engine.skips``): it is counted, not an
+error; the run stops after ``--max-consecutive-skipped-iterations`` in a row, or at a non-finite loss
+of a step that was not skipped (or where nothing skips: ZeRO-0 fp32 SGD)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any
 import torch
 
 from megapost.checkpoint import finite_guard
+from megapost.engine.skips import SkipCounter
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput, memory_gb
 
@@ -38,22 +43,28 @@ class TrainLogger:
 
     def __init__(self, monitor: Monitor, throughput: Throughput, memory: PeakMemory, device: torch.device,
                  log_interval: int, train_iters: int, tokens_per_step: int, save_dir: str | None,
-                 dp_mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 dp_mean: Callable[[torch.Tensor], torch.Tensor], max_consecutive_skips: int = 10) -> None:
         self.monitor, self.throughput, self.memory, self.device = monitor, throughput, memory, device
         self.log_interval, self.train_iters, self.tokens_per_step = log_interval, train_iters, tokens_per_step
-        self.save_dir, self.dp_mean = save_dir, dp_mean
+        self.save_dir, self.dp_mean, self.max_consecutive_skips = save_dir, dp_mean, max_consecutive_skips
+        self.skips = SkipCounter(device)  # build.py installs the engine's (megapost.engine.hooks)
+        self._skipped_logged = 0
         self.memory_report: dict[str, Any] = {}
         self.start_iteration = 0
         self._peak_warned = False
 
-    def _write_steps(self, st: Any) -> tuple[list[float], list[float | None]]:
+    def _write_steps(self, st: Any) -> tuple[list[float], list[float | None], list[float | None], int]:
+        """The interval's scalars; returns the losses, grad norms, lrs and iterations skipped in it."""
         values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
+        lrs = host_norms([lr for _, _, _, lr in st.losses])  # a device lr (sync-free steps): one more
+        total, consecutive = self.skips.read()
+        skipped, self._skipped_logged = total - self._skipped_logged, total
         z = {}  # one DP all-reduce and one host read per interval, on the ranks holding z terms
         if st.z_losses:
             z = dict(zip(st.z_losses, self.dp_mean(torch.stack(list(st.z_losses.values()))).tolist(),
                          strict=True))
-        for (step, _, _, lr), loss, norm in zip(st.losses, values, norms, strict=True):
+        for (step, _, _, _), loss, norm, lr in zip(st.losses, values, norms, lrs, strict=True):
             tokens = step * self.tokens_per_step
             scalars = {"lm_loss": loss, "lr": lr}
             if norm is not None:
@@ -61,16 +72,30 @@ class TrainLogger:
             if step in z:
                 scalars["z_loss"] = z[step]
             self.monitor.scalars("train", scalars, step, tokens)
+        self.monitor.scalars("train", {"skipped_iterations": skipped}, st.iteration,
+                             st.iteration * self.tokens_per_step)
+        self._check_finite(st, values, norms, consecutive)
+        return values, norms, lrs, skipped
+
+    def _check_finite(self, st: Any, values: list[float], norms: list[float | None],
+                      consecutive: int) -> None:
+        """Stop (one line naming the last good checkpoint) after too many consecutive skips, or at a
+        non-finite loss or grad norm that no skip absorbed."""
+        if consecutive >= self.max_consecutive_skips:
+            raise finite_guard.non_finite_error(
+                f"{consecutive} consecutive iterations skipped (non-finite gradient norm; "
+                f"--max-consecutive-skipped-iterations {self.max_consecutive_skips})", st.iteration,
+                self.save_dir)
         for (step, _, _, _), value, norm in zip(st.losses, values, norms, strict=True):
-            if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
+            skipped = self.skips.mode != "none" and norm is not None and not math.isfinite(norm)
+            if not skipped and (not math.isfinite(value) or (norm is not None and not math.isfinite(norm))):
                 raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
                                                     self.save_dir)
-        return values, norms
 
     def log(self, st: Any, force: bool = False) -> None:
         if not st.losses or not (force or st.iteration % self.log_interval == 0):
             return
-        values, norms = self._write_steps(st)
+        values, norms, lrs, skipped = self._write_steps(st)
         perf = self.throughput.report()
         if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
             self._peak_warned = True
@@ -80,11 +105,11 @@ class TrainLogger:
                               "--remeasure-peak on an idle machine, or pass --peak-tflops")
         perf["memory_gb"] = memory_gb(self.device)
         self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
-        lr = st.losses[-1][3]
+        lr = lrs[-1]
         gn = f"{norms[-1]:.3f}" if norms[-1] is not None else "n/a"
         self.monitor.line(
             f" iteration {st.iteration:6d}/{self.train_iters} | consumed samples {st.consumed_samples} | "
-            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | "
+            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | skipped iterations {skipped} | "
             f"tokens/s {perf['tokens_per_sec']:.0f} | TFLOP/s/dev {perf['tflops_per_device']:.3f} | "
             f"{mfu_text(perf, self.throughput.peak_tflops)} | mem {perf['memory_gb']:.2f} GB | "
             f"ETA {self.monitor.eta(st.iteration, self.start_iteration, self.train_iters)}"

@@ -51,6 +51,12 @@ class StepRunner:
             losses.append(loss.detach().float())
         return self.dp_mean(torch.stack(losses).mean())
 
+    def skip_batches(self) -> None:
+        """Consume one optimizer step's micro-batches without running them (--iterations-to-skip)."""
+        assert self.batches is not None
+        for _ in range(self.grad_accum_steps):
+            next(self.batches.it)
+
     def z_term(self) -> torch.Tensor | None:
         """--z-loss: this step's z term averaged over this rank's micro-batches, on the ranks that
         computed the loss (None elsewhere, and without --z-loss); averaged over DP at log time."""

@@ -56,7 +56,7 @@ class Trainer:
                                 config.model.flops_per_token(causal=True))
         self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device,
                                   config.logging.log_interval, run.train_iters, self.tokens_per_step,
-                                  ckpt.save, self.runner.dp_mean)
+                                  ckpt.save, self.runner.dp_mean, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
         self.host.bind(engine, self.snapshot, self.restore)
@@ -121,7 +121,10 @@ class Trainer:
         """One iteration: step, record, log, evaluate, save, plugins; returns why to stop (or None)."""
         run, st, runner = self.config.runtime, self.state, self.runner
         self.watchdog.before_step(st.iteration + 1)
+        if st.iteration + 1 in run.iterations_to_skip:
+            return self._skip_iteration()
         lr = self.engine.get_lr()[0]
+        lr = lr.clone() if isinstance(lr, torch.Tensor) else lr  # a device lr changes in place
         loss = runner.train_step(st.iteration + 1)
         st.iteration += 1
         st.consumed_samples += self.config.data.global_batch_size
@@ -138,6 +141,18 @@ class Trainer:
         if self._save_due(st.iteration):
             self.save()
         self.host.after_iteration(st.iteration)  # may roll back (snapshot / restore) and scale the lr
+        return self.watchdog.exit_reason(st.iteration)
+
+    def _skip_iteration(self) -> str | None:
+        """--iterations-to-skip (Megatron-LM's meaning): this iteration's batches are consumed, nothing
+        steps (weights, optimizer and lr schedule unchanged), the iteration and data position advance."""
+        st = self.state
+        self.runner.skip_batches()
+        st.iteration += 1
+        st.consumed_samples += self.config.data.global_batch_size
+        self.monitor.line(f" iteration {st.iteration}: batches skipped (--iterations-to-skip)")
+        if self._save_due(st.iteration):
+            self.save()
         return self.watchdog.exit_reason(st.iteration)
 
     def _save_due(self, iteration: int) -> bool:

@@ -1,18 +1,22 @@
-"""Optimizer-step pieces of DeepSpeed that megapost owns so that a step never waits for the device.
+"""Optimizer-step pieces of DeepSpeed that megapost owns so that a step never waits for the device, and
+a step with a non-finite gradient is skipped on the device.
 
 DeepSpeed's fp32 clip (``runtime.utils.clip_grad_norm_``) builds its clip constants with
 ``torch.tensor(..., device=...)`` (a blocking host-to-device copy on CUDA) every step, and its bf16
 optimizer reads the device twice per step: ``is_invalid_grad_norm`` (``bool(tensor)``) and
 ``clip_tensors_by_global_norm`` (``if clip_coef < 1``). Here the same arithmetic stays on the device:
 the clip coefficient is ``min(1, max_norm / (norm + 1e-6))`` as a tensor (multiplying by 1.0 where
-DeepSpeed skips the multiply changes no bit), and a non-finite norm skips the AdamW update through
-fused AdamW's ``found_inf`` (parameters, moments and step count unchanged, as DeepSpeed's skipped step
-leaves them). The non-finite norm is then reported as ``inf`` and stops the run at the next log step
-(``finite_guard``), as before.
+DeepSpeed skips the multiply changes no bit), and a non-finite norm (``~isfinite``: DeepSpeed's
+combined ZeRO norm marks an invalid group +inf, its per-group helpers -1, a NaN stays NaN) skips the
+AdamW update through fused AdamW's ``found_inf`` (parameters, both moments and the step count unchanged,
+as DeepSpeed's skipped step leaves them). Each override hands that 0-d flag to ``record`` (megapost's
+``engine.skips.SkipCounter``: the lr schedule and the skip count read it on the device); the norm is
+reported as ``inf``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +25,12 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import groups
 
 EPS = 1e-6  # DeepSpeed's clip epsilon
+Record = Callable[[torch.Tensor], None]  # receives each step's "skipped" flag (0-d bool, on the device)
+
+
+def non_finite(norm: torch.Tensor) -> torch.Tensor:
+    """The skip decision: the norm is NaN, +-inf, or DeepSpeed's -1 sentinel of an invalid group norm."""
+    return ~torch.isfinite(norm) | (norm < 0)
 
 
 def _sum_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -45,7 +55,8 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def clip_fp32_grads(parameters: Any, max_norm: float, mpu: Any) -> torch.Tensor:
     """DeepSpeed's ``clip_grad_norm_`` (L2, model-parallel duplicates counted once, the DP mean of the
-    norm) without host constants or branches: returns the norm, a 0-d device tensor."""
+    norm) without host constants or branches (``max_norm`` 0: no clip): returns the norm, a 0-d device
+    tensor."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
@@ -57,22 +68,23 @@ def clip_fp32_grads(parameters: Any, max_norm: float, mpu: Any) -> torch.Tensor:
     if dp > 1:
         total = total * 1.0 / float(dp)
         dist.all_reduce(total, group=dp_group)
-    torch._foreach_mul_([p.grad.data for p in params], clip_coefficient(total, max_norm))
+    if max_norm > 0.0:
+        torch._foreach_mul_([p.grad.data for p in params], clip_coefficient(total, max_norm))
     return total
 
 
-def _fused_with_found_inf(optimizer: Any) -> bool:
+def fused_with_found_inf(optimizer: Any) -> bool:
     fused = bool(optimizer.defaults.get("fused"))
     return isinstance(optimizer, torch.optim.AdamW | torch.optim.Adam) and fused
 
 
-def install_bf16_step(bf16_optimizer: Any) -> bool:
+def install_bf16_step(bf16_optimizer: Any, record: Record) -> bool:
     """Replace ``BF16_Optimizer.step`` on this instance with the sync-free step (same norm, same clip,
     same update); returns False, leaving DeepSpeed's step, where that is not possible (MoE, Muon, an
     optimizer without ``found_inf``, a norm other than L2)."""
     opt = bf16_optimizer
     if (opt.has_moe_layers or getattr(opt, "_uses_muon", False) or float(opt.norm_type) != 2.0
-            or not _fused_with_found_inf(opt.optimizer)):
+            or not fused_with_found_inf(opt.optimizer)):
         return False
 
     @torch.no_grad()
@@ -83,7 +95,8 @@ def install_bf16_step(bf16_optimizer: Any) -> bool:
         grads, _ = opt.get_grads_for_norm()
         device = opt.fp32_groups_gradient_flat_partition[0].device
         norm = _model_parallel_sum(_sum_squares(grads, device), opt.mpu).pow(0.5)
-        bad = ~torch.isfinite(norm)
+        bad = non_finite(norm)
+        record(bad)
         opt._global_grad_norm = torch.where(bad, torch.inf, norm)
         if opt.clip_grad > 0.0:
             coef = clip_coefficient(norm, opt.clip_grad)
@@ -134,7 +147,7 @@ def _patch_zero_module() -> None:
     zero._megapost_sync_free = True
 
 
-def install_zero_step(zero_optimizer: Any) -> bool:
+def install_zero_step(zero_optimizer: Any, record: Record) -> bool:
     """Make DeepSpeed's ZeRO-1/2 step sync-free on this instance: no overflow vote (``has_overflow``
     reads the device; a non-finite gradient gives a non-finite norm, which is checked instead), the
     norm's invalid check and clip coefficient on the device, and a non-finite norm skipping the fused
@@ -144,14 +157,17 @@ def install_zero_step(zero_optimizer: Any) -> bool:
     if (opt.cpu_offload or opt.has_moe_layers or getattr(opt, "custom_loss_scaler", False)
             or getattr(opt, "dynamic_loss_scale", False) or float(getattr(opt, "loss_scale", 1.0)) != 1.0
             or any(g.get("use_muon", False) for g in opt.optimizer.param_groups)
-            or not opt.compute_grad_norm or not _fused_with_found_inf(opt.optimizer)):
+            or not opt.compute_grad_norm or not fused_with_found_inf(opt.optimizer)):
         return False
     _patch_zero_module()
     opt.check_grad_overflow = False
     step = opt.step
 
     def unscale_and_clip_grads(grad_groups_flat: list[Any], total_norm: torch.Tensor) -> None:
-        opt.optimizer.found_inf = (total_norm < 0).float()  # -1: DeepSpeed's mark of a non-finite norm
+        if "found_inf" not in opt.optimizer.__dict__:  # once per step (called once per param group)
+            bad = non_finite(total_norm)
+            record(bad)
+            opt.optimizer.found_inf = bad.float()
         if opt.clip_grad > 0.0:
             scale = 1.0 / ((total_norm + 1e-6) / opt.clip_grad).clamp(min=1.0)
             torch._foreach_mul_([g for grad in grad_groups_flat
@@ -166,7 +182,7 @@ def install_zero_step(zero_optimizer: Any) -> bool:
             opt.optimizer.__dict__.pop("found_inf", None)
         norm = opt._global_grad_norm
         if isinstance(norm, torch.Tensor):
-            opt._global_grad_norm = torch.where(norm < 0, torch.inf, norm)
+            opt._global_grad_norm = torch.where(non_finite(norm), torch.inf, norm)
 
     opt.unscale_and_clip_grads = unscale_and_clip_grads
     opt.step = sync_free_step

@@ -1,0 +1,71 @@
+"""DeepSpeed's per-parameter views of its flat fp32 partitions (ZeRO 1/2 and the bf16 optimizer):
+``param._hp_mapping`` (``lp_fragment_address`` (start, numel) of the fragment this rank owns in the
+flattened parameter, ``get_hp_fragment(key)`` the fp32 master or an optimizer-state fragment,
+``get_lp_grad_fragment`` the reduced gradient), the relinking of those views to the optimizer's
+current state tensors, and the public ``safe_set_full_*`` writers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+MASTER = "fp32"  # the key of the fp32 master weight among a fragment's tensors
+
+
+def is_mapped(p: nn.Parameter) -> bool:
+    """Held by a DeepSpeed mixed-precision/ZeRO optimizer (fp32 master in its flat partitions)."""
+    return hasattr(p, "_hp_mapping")
+
+
+def has_bf16_grad(p: nn.Parameter) -> bool:
+    """DeepSpeed's bf16 optimizer keeps ``p``'s fp32 gradient as a fragment (``_hp_grad``)."""
+    return getattr(p, "_hp_grad", None) is not None
+
+
+def grad_fragment(param: nn.Parameter) -> torch.Tensor | None:
+    """This rank's slice of the flat-partitioned gradient (as in DeepSpeed's ``get_full_hp_grad``), or
+    None when this rank's partition holds no element of ``param``."""
+    mapping = param._hp_mapping
+    if mapping is None:
+        return None
+    grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
+    address = mapping.lp_fragment_address
+    if grad.numel() == param.numel():  # a full accumulation buffer: keep the owned slice
+        grad = grad.narrow(0, address.start, address.numel)
+    return grad
+
+
+def local_zero3_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """ZeRO-3: this rank's partition of ``param``'s gradient."""
+    from deepspeed.utils import safe_get_local_grad
+
+    return safe_get_local_grad(param)
+
+
+def owned_fragment(p: nn.Parameter, keys: tuple[str, ...]) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+    """(start, numel, {key: 1-D view}) of the fragment of a mapped ``p`` this rank owns: ``MASTER``
+    the fp32 master, any other key that optimizer-state tensor; None when it owns none of ``p``."""
+    mapping = p._hp_mapping
+    if mapping is None:
+        return None
+    address = mapping.lp_fragment_address
+    values = {k: mapping.get_hp_fragment() if k == MASTER else mapping.get_hp_fragment(k) for k in keys}
+    return address.start, address.numel, {k: v.detach().reshape(-1) for k, v in values.items()}
+
+
+def link_state(optimizer: Any) -> None:
+    """(Re)point DeepSpeed's per-parameter fragments at the base optimizer's current state tensors."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def set_full(p: nn.Parameter, fp32: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+    """Write the full fp32 master and optimizer-state tensors of a mapped ``p`` into the fragments."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    safe_set_full_fp32_param(p, fp32)
+    for key, value in states.items():
+        safe_set_full_optimizer_state(p, value, key)
