@@ -122,11 +122,15 @@ def test_paper_preset_is_the_paper_recipe_and_flags_override() -> None:
 
 
 def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
+    """A diverged run: every step's gradient is non-finite, so every step is skipped, and the run stops
+    at the log step after --max-consecutive-skipped-iterations of them."""
     proc = pretrain(tiny_model_flags(tiny_data, **{"--lr": 1e12, "--lr-warmup-iters": 0, "--clip-grad": 0,
-                                                   "--train-iters": 8}), check=False)
+                                                   "--train-iters": 8,
+                                                   "--max-consecutive-skipped-iterations": 2}), check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: training loss is") and "--lr" in last, proc.stderr[-2000:]
+    assert last.startswith("error: 2 consecutive iterations skipped (non-finite gradient norm") \
+        and "--lr" in last and "no good checkpoint was saved" in last, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
