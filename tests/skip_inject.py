@@ -35,6 +35,7 @@ class Case:
     watch: tuple[int, ...] = (3, 4, 5)  # steps whose starting state is recorded
     skip_iterations: tuple[int, ...] = ()
     tensorboard: bool = False
+    save_interval: int = 0  # also save every this many iterations (3: right after the skipped step)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,6 +124,8 @@ def run_case(case: Case) -> dict[str, Any]:
     argv += ["--lr-warmup-iters", str(2 * case.steps), "--log-interval", "2", *case.flags]
     argv += ["--iterations-to-skip", *map(str, case.skip_iterations)] if case.skip_iterations else []
     argv += ["--tensorboard-dir", os.path.join(tmp[0], "tb")] if case.tensorboard else []
+    argv += ["--save", os.path.join(tmp[0], "ckpt"), "--save-interval", str(case.save_interval)] \
+        if case.save_interval else []
     prep = prepare(argv, dist.get_world_size())
     InjectNonFinite.case = case
     out, error = io.StringIO(), None

@@ -128,9 +128,12 @@ def test_resume_is_bit_exact_and_files_are_weights_only(tiny_data, tmp_path) -> 
 
 # ---------------------------------------------------------------------------- 2. never a NaN checkpoint
 def test_non_finite_state_is_never_saved(tiny_data, tmp_path) -> None:
+    """SGD at ZeRO-0 fp32 (the one path where a non-finite gradient is not skipped: tests/test_skip_step.py)
+    diverges to non-finite weights, which are never saved."""
     save = tmp_path / "ckpt"
     flags = _flags(tiny_data, **{"--lr": 1e12, "--lr-warmup-iters": 0, "--clip-grad": 0, "--train-iters": 8,
-                                 "--save": save, "--save-interval": 1, "--log-interval": 100})
+                                 "--save": save, "--save-interval": 1, "--log-interval": 100,
+                                 "--optimizer": "sgd", "--zero-stage": 0})
     proc = pretrain(flags, check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
