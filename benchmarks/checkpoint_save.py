@@ -79,7 +79,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
 
     real = saver.save
 
-    def measured(engine, config, iteration, consumed, plugins, pstate):
+    def measured(engine, config, iteration, consumed, plugins, pstate, **kw):
         from megapost.checkpoint import layout_free as lf
 
         lf._link_state(engine)
@@ -93,7 +93,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
         s = Sampler()
         s.start()
         t0 = time.perf_counter()
-        tag = real(engine, config, iteration, consumed, plugins, pstate)
+        tag = real(engine, config, iteration, consumed, plugins, pstate, **kw)
         written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
         seconds = time.perf_counter() - t0
         peak = s.stop()

@@ -90,22 +90,42 @@ def _adam_step(engine: Any) -> int | None:
     return None
 
 
+def state_keys(engine: Any) -> list[str]:
+    """The optimizer's per-parameter state tensors by key (Adam's two moments, SGD's momentum buffer):
+    every non-scalar tensor of ``state[p]``; the scalar ``step`` is saved on its own."""
+    return sorted({k for st in _base_optimizer(engine).state.values() for k, v in st.items()
+                   if torch.is_tensor(v) and v.dim() > 0})
+
+
 def _is_mapped(p: nn.Parameter) -> bool:
     """Held by a DeepSpeed mixed-precision/ZeRO optimizer (fp32 master in its flat partitions)."""
     return hasattr(p, "_hp_mapping")
 
 
-def _create_adam_state(engine: Any, step: int) -> None:
-    """Adam state (zeros at ``step``) for every tensor the base optimizer steps, linked into DeepSpeed's
-    per-parameter fragments so ``safe_set_full_optimizer_state`` can fill it."""
+def _create_state(engine: Any, keys: list[str], step: int | None) -> None:
+    """Optimizer state (zeros for ``keys``, ``step`` when the optimizer counts steps) for every tensor the
+    base optimizer steps, linked into DeepSpeed's per-parameter fragments so
+    ``safe_set_full_optimizer_state`` can fill it."""
     base = _base_optimizer(engine)
     for group in base.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             device = p.device if on_device else torch.device("cpu")
-            base.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=device),
-                             **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS}}
+            counted = {} if step is None else {"step": torch.tensor(float(step), device=device)}
+            base.state[p] = {**counted, **{k: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                           for k in keys}}
     _link_state(engine)
+
+
+def _set_groups(engine: Any, saved: list[dict[str, Any]] | None) -> None:
+    """The optimizer's group settings as saved (momentum, betas, weight decay, ...); the lr is the
+    scheduler's. Nothing when the tag predates them or has another number of groups."""
+    groups = _base_optimizer(engine).param_groups
+    if not saved or len(saved) != len(groups):
+        return
+    for group, settings in zip(groups, saved, strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()
+                      if k in group and k not in ("lr", "initial_lr")})
 
 
 def _link_state(engine: Any) -> None:
@@ -115,7 +135,7 @@ def _link_state(engine: Any) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], has_state: bool) -> None:
+def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], keys: list[str]) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     fp32 = values["fp32"].to(p.device)
@@ -123,12 +143,11 @@ def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], ha
         p.data.copy_(fp32.to(p.dtype))
     if _is_mapped(p):
         safe_set_full_fp32_param(p, fp32)
-        if has_state:
-            for k in MOMENTS:
-                safe_set_full_optimizer_state(p, values[k].to(p.device), k)
-    elif has_state:
+        for k in keys:
+            safe_set_full_optimizer_state(p, values[k].to(p.device), k)
+    elif keys:
         state = _base_optimizer(engine).state[p]
-        for k in MOMENTS:
+        for k in keys:
             state[k].copy_(values[k])
 
 
@@ -312,15 +331,14 @@ class ShardIndex:
 
 
 def set_local_params(engine: Any, pstate: Any, params: dict[str, nn.Parameter], read: Any,
-                     has_state: bool) -> None:
-    """Set each local parameter (and its fp32 master and Adam moments when ``has_state``) from
+                     keys: list[str]) -> None:
+    """Set each local parameter (its fp32 master, and the optimizer state tensors ``keys``) from
     ``read(kind, name, dim, start, stop)``, which returns the slice of the full tensor this rank holds."""
     shapes = full_shapes(engine.module.config)
     for name, p in params.items():
         dim, offset = split_of(tuple(p.shape), shapes[name], pstate.tp_rank, pstate.tp_size, name)
         stop = None if dim is None else offset + p.shape[dim]
-        kinds = ("fp32", *MOMENTS) if has_state else ("fp32",)
-        _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in kinds}, has_state)
+        _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in ("fp32", *keys)}, keys)
 
 
 def load_layout_free(engine: Any, pstate: Any, tag_dir: str, optimizer: bool = True,
@@ -339,11 +357,13 @@ def load_layout_free(engine: Any, pstate: Any, tag_dir: str, optimizer: bool = T
         name = next(iter(ours), next(iter(set(index.shapes) - set(shapes)), "?"))
         raise ConfigError(f"--load {tag_dir}: parameter {name} is {index.shapes.get(name)} in the checkpoint "
                           f"but {shapes.get(name)} in this model; use the model flags it was saved with")
-    step = header["adam_step"] if optimizer else None
-    if step is not None:
-        _create_adam_state(engine, step)
+    step = header["adam_step"]
+    keys = header.get("state_keys", list(MOMENTS) if step is not None else []) if optimizer else []
+    if keys or (optimizer and step is not None):
+        _create_state(engine, keys, step)
+        _set_groups(engine, header.get("param_groups"))
     params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
-    set_local_params(engine, pstate, params, index.read, has_state=step is not None)
+    set_local_params(engine, pstate, params, index.read, keys)
     if optimizer and header["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(header["scheduler"])
     if counters:
