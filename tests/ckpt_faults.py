@@ -93,3 +93,52 @@ def poisoned_moment(argv: list[str]) -> str | None:
     except FloatingPointError as e:
         return str(e)
     return None
+
+
+def train(argv: list[str]) -> None:
+    from megapost.pretrain import run
+
+    run(argv)
+
+
+def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
+    """Resume with ``argv`` counting the tensor bytes this rank reads from each checkpoint file
+    (``assembled``: as if the layout differed — every rank assembles from every file). Returns
+    {"read": {file: bytes}, "own": this rank's shard file bytes}."""
+    from collections import defaultdict
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from megapost.checkpoint import layout_free, own_shard
+    from megapost.pretrain import run
+
+    read: dict[str, int] = defaultdict(int)
+
+    class Counted:
+        def __init__(self, path: str, framework: str) -> None:
+            self.path, self.f = os.path.basename(path), safe_open(path, framework=framework)
+
+        def __enter__(self) -> Counted:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+        def get_tensor(self, key: str) -> Any:
+            t = self.f.get_tensor(key)
+            read[self.path] += t.numel() * t.element_size()
+            return t
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+    layout_free.safe_open = Counted  # type: ignore[assignment]
+    own_shard.safe_open = Counted  # type: ignore[assignment]
+    if assembled:
+        own_shard.load = lambda *a, **k: None  # type: ignore[assignment]
+    run(argv)
+    load = Path(argv[argv.index("--load") + 1])
+    tag = (load / "latest").read_text().strip()  # TP 1, PP 1: the data-parallel rank is the global rank
+    own = load / tag / "layout_free" / f"shard-tp00-pp00-dp{dist.get_rank():02d}.safetensors"
+    return {"read": dict(read), "own": own.stat().st_size}

@@ -10,6 +10,7 @@ read by :mod:`megapost.checkpoint.layout_free`); DeepSpeed's own files, written 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapost.checkpoint import layout_free
+from megapost.checkpoint import layout_free, own_shard
 from megapost.checkpoint import safety as checkpoint_safety
 from megapost.checkpoint.folder import CheckpointFolder
 from megapost.config.errors import ConfigError
@@ -208,8 +209,9 @@ def load(engine: Any, ckpt: CheckpointConfig, run: RunLayout, pstate: Any) -> tu
     finetune = ckpt.finetune
     optim = not (finetune or ckpt.no_load_optim)
     if check_layout(ckpt.load, run, ckpt.trust_checkpoint, ckpt.ckpt_step):
+        own = functools.partial(own_shard.load, layout=run.deepspeed_layout())
         client = layout_free.load_layout_free(engine, pstate, os.path.join(ckpt.load, tag), optimizer=optim,
-                                              counters=not finetune)
+                                              counters=not finetune, own=own)
     else:
         client = _load_deepspeed(engine, ckpt.load, tag, optim, finetune)
     if not (finetune or ckpt.no_load_rng):

@@ -15,8 +15,6 @@ import sys
 import time
 from typing import Any
 
-from megapost.config.errors import ConfigError
-
 ARGS_JSON = "args.json"
 DATA_KEYS = ("data_path", "split", "tokenizer_type", "tokenizer_model", "vocab_size", "train_data_path",
              "valid_data_path", "test_data_path", "data_args_path", "per_split_data_args_path")
@@ -88,10 +86,6 @@ def fresh_start(args: argparse.Namespace) -> str | None:
         return None
     args.load = None
     return f"--load {args.save}: no checkpoint there yet; starting a new run that saves to it (as Megatron)"
-
-
-def _show(value: Any) -> str:
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def record(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from megapost.checkpoint import hf
+from megapost.checkpoint import data_identity, hf
 from megapost.checkpoint.folder import CheckpointFolder
-from megapost.checkpoint import data_identity
 from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir, read_meta
 from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
