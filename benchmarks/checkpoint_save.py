@@ -13,6 +13,8 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
     nice python benchmarks/checkpoint_save.py bytes
     nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
     nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768 --seq 128 --iters 91 --interval 30
+    nice python benchmarks/checkpoint_save.py async --layers 4 --hidden 512 --seq 256 --batch 4 \
+        --iters 61 --interval 20
     nice python benchmarks/checkpoint_save.py kill9 --iters 8 --trials 3 --layers 8 --hidden 768 --seq 128
 """
 
@@ -38,7 +40,8 @@ def _flags(a: argparse.Namespace, save: str, iters: int, extra: list[str]) -> li
     return ["--data-path", f"{DATA}/news_text_document", "--tokenizer-model", f"{DATA}/tokenizer.model",
             "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--ffn-hidden-size",
             str(a.hidden * 8 // 3 // 64 * 64), "--num-attention-heads", str(max(1, a.hidden // 64)),
-            "--seq-length", str(a.seq), "--micro-batch-size", "1", "--global-batch-size", str(a.dp),
+            "--seq-length", str(a.seq), "--micro-batch-size", "1",
+            "--global-batch-size", str(a.batch or a.dp),
             "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "0",
             "--log-interval", "1", "--save", save, "--allow-tokenizer-mismatch", *extra]
 
@@ -79,7 +82,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
 
     real = saver.save
 
-    def measured(engine, config, iteration, consumed, plugins, pstate):
+    def measured(engine, config, iteration, consumed, plugins, pstate, **kw):
         from megapost.checkpoint import layout_free as lf
 
         lf._link_state(engine)
@@ -93,7 +96,7 @@ def _child_rss(out: str, flags: list[str]) -> None:
         s = Sampler()
         s.start()
         t0 = time.perf_counter()
-        tag = real(engine, config, iteration, consumed, plugins, pstate)
+        tag = real(engine, config, iteration, consumed, plugins, pstate, **kw)
         written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
         seconds = time.perf_counter() - t0
         peak = s.stop()
@@ -285,6 +288,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--batch", type=int, default=0, help="--global-batch-size (default: --dp)")
     p.add_argument("--zero", type=int, default=2)
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--interval", type=int, default=3)

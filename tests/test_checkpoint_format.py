@@ -18,10 +18,7 @@ import torch
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
 from safetensors import safe_open
 
-from megapost.checkpoint.retention import apply, tags_to_delete
 from megapost.checkpoint.stream_write import Staging, write_safetensors
-from megapost.config.arguments import parse_args
-from megapost.config.errors import ConfigError
 
 TOTAL = 10  # --lr-decay-iters of every run here, so their schedules agree
 
@@ -48,27 +45,6 @@ def test_stream_writer_round_trips_through_safe_open(tmp_path) -> None:
         assert f.metadata() == {"megapost": "{}"}
         for name, t in entries:
             assert torch.equal(f.get_tensor(name), t), name
-
-
-def test_retention_keeps_the_newest_latest_and_every_kth() -> None:
-    tags = [f"iter_{i:07d}" for i in range(1, 11)]
-    assert tags_to_delete(tags, tags[-1], 3, 0, 1) == tags[:7]
-    assert tags_to_delete(tags, tags[1], 3, 0, 1) == [tags[0], *tags[2:7]]  # 'latest' is never deleted
-    assert tags_to_delete(tags, tags[-1], 2, 2, 2) == [t for t in tags[:8] if int(t[5:]) % 4]
-    assert tags_to_delete(tags, tags[-1], 0, 0, 1) == []  # 0: keep all
-    with pytest.raises(ConfigError, match="--save-retain-every needs --save-retain"):
-        parse_args(["--save-retain-every", "2"])
-    with pytest.raises(ConfigError, match="--finetune says what --load restores"):
-        parse_args(["--finetune"])
-
-
-def test_retention_never_touches_a_tag_being_written(tmp_path) -> None:
-    for i in (1, 2, 3):
-        (tmp_path / f"iter_{i:07d}").mkdir()
-    (tmp_path / "iter_0000004.tmp").mkdir()
-    (tmp_path / "latest").write_text("iter_0000003")
-    assert apply(str(tmp_path), 1) == ["iter_0000001", "iter_0000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004.tmp", "latest"]
 
 
 def _state_bytes(tag: Path) -> int:
@@ -152,3 +128,24 @@ def test_megatron_load_flags(tiny_data, tmp_path) -> None:
                                         "--no-load-rng": True, "--tensorboard-dir": cont}))
     assert f"resumed from {first / 'ckpt'} at iteration 3" in out.stdout
     assert sorted(_losses(cont)) == [4, 5] and read_scalars(cont, "train/lr")[4] == lr_fresh[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True])
+def test_sgd_momentum_resume_is_bit_exact(tiny_data, tmp_path, bf16) -> None:
+    """--optimizer sgd: every tensor of the optimizer state is saved (the momentum buffers), so a resume
+    continues bit for bit (bf16: through DeepSpeed's fp32 partitions)."""
+    sgd = {"--optimizer": "sgd", "--sgd-momentum": 0.9, "--lr": 0.05, **({"--bf16": True} if bf16 else {})}
+    pretrain(_flags(tiny_data, **{**sgd, "--train-iters": 6, "--tensorboard-dir": tmp_path / "ref"}))
+    expected = _losses(tmp_path / "ref")
+    ckpt = tmp_path / "ckpt"
+    pretrain(_flags(tiny_data, **{**sgd, "--train-iters": 3, "--save": ckpt,
+                                  "--tensorboard-dir": tmp_path / "a"}))
+    shard = ckpt / "iter_0000003" / "layout_free" / "shard-tp00-pp00-dp00.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        assert any(k.startswith("momentum_buffer/") for k in f.keys())
+    pretrain(_flags(tiny_data, **{**sgd, "--train-iters": 6, "--load": ckpt,
+                                  "--tensorboard-dir": tmp_path / "b"}))
+    resumed = _losses(tmp_path / "b")
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == expected[s] for s in resumed), (resumed,
+                                                                                            expected)

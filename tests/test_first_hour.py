@@ -10,11 +10,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from launch_utils import REPO, pretrain, read_scalars, run, scalar_tags, tiny_model_flags
 
 from megapost.config.arguments import parse_args
+from megapost.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megapost.runtime.cpu import bf16_note, native_bf16
 
 
@@ -108,15 +110,24 @@ def test_resume_keeps_data_refuses_other_data_and_keeps_history(tiny_data, tmp_p
     # step 3 under the new schedule (lr 1e-3, warmup 2, decay over 3): the peak 1e-3; the old one (3e-3
     # decayed to 0 at step 2) would give 0
     assert read_scalars(tmp_path / "r" / "tensorboard", "train/lr")[3] == pytest.approx(1e-3)
-    moved = base + ["--data-path", str(other / "copy"), "--train-iters", "4"]
-    refused = pretrain(moved, check=False)
+    # the same files under another path are the same data (checked against the tag's data identity)
+    moved = pretrain(base + ["--data-path", str(other / "copy"), "--train-iters", "3"])
+    assert f"the same data as it was trained on, now at {other / 'copy'}" in moved.stdout
+    half = other / "half"  # other data: the first half of the documents
+    source, builder = IndexedDataset(tiny_data.prefix), IndexedDatasetBuilder(half)
+    for i in range(len(source) // 2):
+        builder.add_document(np.asarray(source[i]))
+    builder.finalize()
+    changed = base + ["--data-path", str(half), "--train-iters", "4", "--allow-tokenizer-mismatch"]
+    refused = pretrain(changed, check=False)
     line = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode == 1 and line.startswith("error: resuming") and "--override-data" in line
-    ok = pretrain(moved + ["--override-data"])
-    assert "--override-data: continuing on new data" in ok.stdout
+    assert "trained on other data" in line and str(half) in line
+    ok = pretrain(changed + ["--override-data"])
+    assert "--override-data: continuing" in ok.stdout
     record = json.loads((tmp_path / "r" / "tensorboard" / "args.json").read_text())
-    assert [launch["schedule"]["train_iters"] for launch in record["launches"]] == [2, 3, 4]
-    assert record["launches"][-1]["data"]["data_path"] == [str(other / "copy")]
+    assert [launch["schedule"]["train_iters"] for launch in record["launches"]] == [2, 3, 3, 4]
+    assert record["launches"][-1]["data"]["data_path"] == [str(half)]
 
 
 @pytest.mark.slow

@@ -44,9 +44,11 @@ def non_finite_error(what: str, iteration: int, save_dir: str | None) -> Floatin
                               "raise --lr-warmup-iters, or check the data (--data-path)")
 
 
-def refuse_non_finite(parameters: Iterable[torch.Tensor], pending: Iterable[Any], iteration: int,
+def refuse_non_finite(written: Iterable[torch.Tensor], pending: Iterable[Any], iteration: int,
                       save_dir: str | None, device: torch.device) -> None:
-    """Before a save: raise :class:`FloatingPointError` (one line) unless all is finite everywhere."""
-    if not all_finite([*pending, *parameters], device):
-        raise non_finite_error("not saving a non-finite training state (loss, grad norm or parameters)",
+    """Before a save: raise :class:`FloatingPointError` (one line) unless every tensor to be ``written``
+    (fp32 masters, optimizer state) and every ``pending`` loss and norm is finite, everywhere."""
+    if not all_finite([*pending, *written], device):
+        raise non_finite_error("not saving a non-finite training state (loss, grad norm, fp32 weights or "
+                               "optimizer state)",
                                iteration, save_dir)

@@ -303,4 +303,4 @@ def load_hf_weights(engine: Any, pstate: Any, hf_dir: str) -> None:
     def read(kind: str, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
         return reader.read(name, dim, start, stop)
 
-    set_local_params(engine, pstate, params, read, has_state=False)
+    set_local_params(engine, pstate, params, read, [])

@@ -10,11 +10,10 @@ read by :mod:`megapost.checkpoint.layout_free`); DeepSpeed's own files, written 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
-import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,14 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapost.checkpoint import layout_free
+from megapost.checkpoint import layout_free, own_shard
 from megapost.checkpoint import safety as checkpoint_safety
+from megapost.checkpoint.folder import CheckpointFolder
 from megapost.config.errors import ConfigError
 from megapost.config.resolved import CheckpointConfig
 
 META_FILE = "megapost_meta.json"
-TMP_SUFFIX = ".tmp"
-_TAG = re.compile(r"iter_\d{7}")
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "norm_position", "mix_post_fraction", "qk_norm")
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
@@ -107,45 +105,20 @@ def _shape_differs(saved: dict[str, Any] | None, ours: dict[str, Any]) -> bool:
                for k in SHAPE_KEYS)
 
 
-# ---- reading a checkpoint directory ---------------------------------------------------------------
+# ---- reading a checkpoint directory (megapost.checkpoint.folder: the one reader of 'latest') -------
 def complete_tags(directory: str) -> list[str]:
-    if not os.path.isdir(directory):
-        return []
-    return sorted(t for t in os.listdir(directory)
-                  if _TAG.fullmatch(t) and os.path.isdir(os.path.join(directory, t)))
+    """The published tags of ``directory``, by iteration."""
+    return CheckpointFolder(directory).tags()
 
 
 def last_complete(directory: str | None) -> str | None:
-    """``dir/tag`` named by ``latest`` when that tag exists, else None."""
-    if not directory:
-        return None
-    try:
-        with open(os.path.join(directory, "latest")) as f:
-            tag = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return os.path.join(directory, tag) if tag and os.path.isdir(os.path.join(directory, tag)) else None
+    """``dir/tag`` a resume from ``directory`` would load now, else None."""
+    return CheckpointFolder(directory).last_complete() if directory else None
 
 
-def latest_tag(directory: str, flag: str = "--load") -> str:
-    """The tag ``latest`` names; a one-line error when it is missing, empty or names no tag."""
-    latest = os.path.join(directory, "latest")
-    if not os.path.isfile(latest):
-        raise ConfigError(f"{flag} {directory}: no 'latest' file; is this a megapost/DeepSpeed checkpoint?")
-    try:
-        with open(latest) as f:
-            tag = f.read().strip()
-    except UnicodeDecodeError:
-        tag = "\0"
-    tags = complete_tags(directory)
-    have = f"complete tags there: {', '.join(tags[-3:])}" if tags else "no complete tag there"
-    if not tag or "\0" in tag or "\n" in tag:
-        raise ConfigError(f"{flag} {directory}: 'latest' is empty or unreadable ({have}); write the tag to "
-                          "resume from into it")
-    if not os.path.isdir(os.path.join(directory, tag)):
-        raise ConfigError(f"{flag} {directory}: 'latest' names {tag}, which does not exist ({have}); write "
-                          "an existing tag into it")
-    return tag
+def latest_tag(directory: str, flag: str = "--load", step: int | None = None) -> str:
+    """The tag to load (``CheckpointFolder.resolve``); a one-line error when there is none."""
+    return CheckpointFolder(directory).resolve(flag, step).tag
 
 
 def read_meta(directory: str, tag: str) -> dict[str, Any] | None:
@@ -164,13 +137,13 @@ def read_meta(directory: str, tag: str) -> dict[str, Any] | None:
     return meta
 
 
-def check_layout(load: str, run: RunLayout, trust: bool = False) -> bool:
+def check_layout(load: str, run: RunLayout, trust: bool = False, step: int | None = None) -> bool:
     """True when the checkpoint at ``load`` loads from megapost's sharded state (always, unless the tag
     also has DeepSpeed's files of this layout: ``--ckpt-format deepspeed``).
     Refuses another model shape, a partial checkpoint, another layout when the tag has no layout-free
     state, and unreadable ``latest``/meta/``.pt`` files (``trust``: --trust-checkpoint) — on every rank
-    alike, before any group forms."""
-    tag = latest_tag(load)
+    alike, before any group forms. ``step``: --ckpt-step."""
+    tag = latest_tag(load, step=step)
     meta = read_meta(load, tag)
     if meta is not None and _shape_differs(meta.get("model"), run.shape):
         raise ConfigError(f"--load {load} holds a different model ({tag}: "
@@ -223,19 +196,6 @@ def check_save_dir(save: str | None, shape: dict[str, Any]) -> None:
 
 
 # ---- saving: megapost.checkpoint.saver writes; the cleanup of what a failed save left ----------
-def remove_temp_tags(directory: str) -> None:
-    """Delete ``*.tmp`` tags left by a save that never completed."""
-    if not os.path.isdir(directory):
-        return
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.endswith(TMP_SUFFIX) and _TAG.fullmatch(name[: -len(TMP_SUFFIX)].split(".")[0]):
-            if os.path.islink(path) or not os.path.isdir(path):
-                os.unlink(path)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
-
-
 def _has_deepspeed_files(tag_dir: str) -> bool:
     return any(n.endswith(".pt") for n in os.listdir(tag_dir))
 
@@ -245,12 +205,13 @@ def load(engine: Any, ckpt: CheckpointConfig, run: RunLayout, pstate: Any) -> tu
     Megatron's ``--finetune`` (weights only; iteration, samples, optimizer, scheduler, RNG start fresh),
     ``--no-load-optim`` (no optimizer or scheduler state) and ``--no-load-rng``. A tag with DeepSpeed's
     files at this layout loads through DeepSpeed; every other tag from megapost's sharded state."""
-    tag = latest_tag(ckpt.load)
+    tag = latest_tag(ckpt.load, step=ckpt.ckpt_step)
     finetune = ckpt.finetune
     optim = not (finetune or ckpt.no_load_optim)
-    if check_layout(ckpt.load, run, ckpt.trust_checkpoint):
+    if check_layout(ckpt.load, run, ckpt.trust_checkpoint, ckpt.ckpt_step):
+        own = functools.partial(own_shard.load, layout=run.deepspeed_layout())
         client = layout_free.load_layout_free(engine, pstate, os.path.join(ckpt.load, tag), optimizer=optim,
-                                              counters=not finetune)
+                                              counters=not finetune, own=own)
     else:
         client = _load_deepspeed(engine, ckpt.load, tag, optim, finetune)
     if not (finetune or ckpt.no_load_rng):

@@ -1,9 +1,8 @@
-"""Reading megapost's checkpoint: ``<tag>/layout_free/`` holds safetensors files only (no pickle,
-nothing in them can run code); it is the checkpoint (DeepSpeed's own files only with
-``--ckpt-format deepspeed``).
+"""Reading megapost's checkpoint: ``<tag>/layout_free/``, safetensors files only (nothing in them can
+run code), is the checkpoint (DeepSpeed's own files only with ``--ckpt-format deepspeed``).
 
 * Format 2 (``checkpoint.sharded`` writes it): ``shard-tpTT-ppPP-dpDD.safetensors``, one per rank, the
-  flat fragments of fp32 masters and Adam moments that rank owns, with full shape, TP split and
+  flat fragments of fp32 masters and optimizer state that rank owns, with full shape, TP split and
   fragment (start, numel) per name in the header metadata ``megapost``. Format 1 (older tags):
   ``shard-tpTT-ppPP.safetensors`` per (TP, PP) rank, full over data parallelism.
 * ``state.safetensors``: the Adam step, scheduler, iteration, consumed samples, engine counters, RNG,
@@ -11,9 +10,9 @@ nothing in them can run code); it is the checkpoint (DeepSpeed's own files only 
 * ``manifest.json``: every file of the tag directory with its size, written last by rank 0, so a tag
   that lost a rank's files is refused before anything is read.
 
-Loading at any layout (any TP, PP, DP, ZeRO stage, bf16 or sequence-parallel change) reassembles only
-the pieces this rank needs and sets weights, fp32 masters and Adam state through DeepSpeed's
-``safe_set_full_*`` (ZeRO 1/2, bf16 optimizer) or the torch optimizer's state.
+At another layout (TP, PP, DP, ZeRO stage, bf16, SP) a rank reassembles the pieces it needs and sets
+weights, fp32 masters and optimizer state via ``safe_set_full_*`` or the torch optimizer's state; at
+the saving layout it reads only its own file (``checkpoint.own_shard``).
 """
 
 from __future__ import annotations
@@ -91,20 +90,38 @@ def _adam_step(engine: Any) -> int | None:
     return None
 
 
+def state_keys(engine: Any) -> list[str]:
+    """Every non-scalar tensor key of the optimizer's ``state[p]`` (Adam's moments, SGD's momentum)."""
+    return sorted({k for st in _base_optimizer(engine).state.values() for k, v in st.items()
+                   if torch.is_tensor(v) and v.dim() > 0})
+
+
 _is_mapped = fragments.is_mapped
 
 
-def _create_adam_state(engine: Any, step: int) -> None:
-    """Adam state (zeros at ``step``) for every tensor the base optimizer steps, linked into DeepSpeed's
-    per-parameter fragments so ``safe_set_full_optimizer_state`` can fill it."""
+def _create_state(engine: Any, keys: list[str], step: int | None) -> None:
+    """Optimizer state (zeros for ``keys``, ``step`` when the optimizer counts steps) for every tensor the
+    base optimizer steps, linked into DeepSpeed's per-parameter fragments so
+    ``safe_set_full_optimizer_state`` can fill it."""
     base = _base_optimizer(engine)
     for group in base.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             device = p.device if on_device else torch.device("cpu")
-            base.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=device),
-                             **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS}}
+            counted = {} if step is None else {"step": torch.tensor(float(step), device=device)}
+            base.state[p] = {**counted, **{k: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                           for k in keys}}
     _link_state(engine)
+
+
+def _set_groups(engine: Any, saved: list[dict[str, Any]] | None) -> None:
+    """The optimizer's group settings as saved (momentum, betas, ...; the lr is the scheduler's)."""
+    groups = _base_optimizer(engine).param_groups
+    if not saved or len(saved) != len(groups):
+        return
+    for group, settings in zip(groups, saved, strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()
+                      if k in group and k not in ("lr", "initial_lr")})
 
 
 def _link_state(engine: Any) -> None:
@@ -112,15 +129,15 @@ def _link_state(engine: Any) -> None:
     fragments.link_state(engine.optimizer)
 
 
-def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], has_state: bool) -> None:
+def _set_param(engine: Any, p: nn.Parameter, values: dict[str, torch.Tensor], keys: list[str]) -> None:
     fp32 = values["fp32"].to(p.device)
     with torch.no_grad():
         p.data.copy_(fp32.to(p.dtype))
     if _is_mapped(p):
-        fragments.set_full(p, fp32, {k: values[k].to(p.device) for k in MOMENTS} if has_state else {})
-    elif has_state:
+        fragments.set_full(p, fp32, {k: values[k].to(p.device) for k in keys})
+    elif keys:
         state = _base_optimizer(engine).state[p]
-        for k in MOMENTS:
+        for k in keys:
             state[k].copy_(values[k])
 
 
@@ -304,53 +321,61 @@ class ShardIndex:
 
 
 def set_local_params(engine: Any, pstate: Any, params: dict[str, nn.Parameter], read: Any,
-                     has_state: bool) -> None:
-    """Set each local parameter (and its fp32 master and Adam moments when ``has_state``) from
+                     keys: list[str]) -> None:
+    """Set each local parameter (its fp32 master, and the optimizer state tensors ``keys``) from
     ``read(kind, name, dim, start, stop)``, which returns the slice of the full tensor this rank holds."""
     shapes = full_shapes(engine.module.config)
     for name, p in params.items():
         dim, offset = split_of(tuple(p.shape), shapes[name], pstate.tp_rank, pstate.tp_size, name)
         stop = None if dim is None else offset + p.shape[dim]
-        kinds = ("fp32", *MOMENTS) if has_state else ("fp32",)
-        _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in kinds}, has_state)
+        _set_param(engine, p, {k: read(k, name, dim, offset, stop) for k in ("fp32", *keys)}, keys)
 
 
-def load_layout_free(engine: Any, pstate: Any, tag_dir: str, optimizer: bool = True,
-                     counters: bool = True) -> dict[str, Any]:
-    """Set this rank's weights and fp32 masters — and, with ``optimizer``, Adam state and scheduler;
-    with ``counters``, DeepSpeed's step counters — from ``tag_dir``. Returns the client state
-    (iteration, consumed samples, plugins, rng: this rank's own when the tag was saved at this layout
-    in format 2, else the logging rank's)."""
-    index = ShardIndex(tag_dir)
-    header = index.header
-    _, state_tensors = read_state(tag_dir)
+def load_layout_free(engine: Any, pstate: Any, tag_dir: str, optimizer: bool = True, counters: bool = True,
+                     own: Any = None) -> dict[str, Any]:
+    """Set this rank's weights, fp32 masters (``optimizer``: optimizer state, scheduler; ``counters``:
+    DeepSpeed's step counters) from ``tag_dir``: ``own`` (``checkpoint.own_shard.load``) reads only this
+    rank's file at the saving layout, else every file's pieces are assembled. Returns the client state
+    (iteration, consumed samples, plugins, rng: this rank's own at the saving layout)."""
+    header, state_tensors = read_state(tag_dir)
     cfg: ModelConfig = engine.module.config
-    shapes = full_shapes(cfg)
-    if shapes != index.shapes:
-        ours = {n: s for n, s in shapes.items() if index.shapes.get(n) != s}
-        name = next(iter(ours), next(iter(set(index.shapes) - set(shapes)), "?"))
-        raise ConfigError(f"--load {tag_dir}: parameter {name} is {index.shapes.get(name)} in the checkpoint "
-                          f"but {shapes.get(name)} in this model; use the model flags it was saved with")
-    step = header["adam_step"] if optimizer else None
-    if step is not None:
-        _create_adam_state(engine, step)
+    step = header["adam_step"]
+    keys = header.get("state_keys", list(MOMENTS) if step is not None else []) if optimizer else []
+    if keys or (optimizer and step is not None):
+        _create_state(engine, keys, step)
+        _set_groups(engine, header.get("param_groups"))
     params = local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
-    set_local_params(engine, pstate, params, index.read, has_state=step is not None)
+    rng = own(engine, pstate, tag_dir, header, params, keys) if own is not None else None
+    if rng is None:
+        rng = _load_assembled(engine, pstate, tag_dir, header, params, keys, state_tensors)
     if optimizer and header["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(header["scheduler"])
     if counters:
         saved = header["engine"]
         engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
         engine.skipped_steps = saved["skipped_steps"]
-    rng = _decode(header["rng"], state_tensors)
+    return {"iteration": header["iteration"], "consumed_train_samples": header["consumed_train_samples"],
+            "rng": rng, "plugins": _decode(header["plugins"], state_tensors)}
+
+
+def _load_assembled(engine: Any, pstate: Any, tag_dir: str, header: dict[str, Any],
+                    params: dict[str, nn.Parameter], keys: list[str], state_tensors: Any) -> Any:
+    """Every local parameter assembled from the fragments of every file that holds a part; the RNG."""
+    index = ShardIndex(tag_dir)
+    shapes = full_shapes(engine.module.config)
+    if shapes != index.shapes:
+        ours = {n: s for n, s in shapes.items() if index.shapes.get(n) != s}
+        name = next(iter(ours), next(iter(set(index.shapes) - set(shapes)), "?"))
+        raise ConfigError(f"--load {tag_dir}: parameter {name} is {index.shapes.get(name)} in the checkpoint "
+                          f"but {shapes.get(name)} in this model; use the model flags it was saved with")
+    set_local_params(engine, pstate, params, index.read, keys)
     own = index.rank_header(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
     layout = header["layout"]
     if own is not None and (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
                             layout["data_parallel_size"]) == (pstate.tp_size, pstate.pp_size, pstate.dp_size):
         path = os.path.join(tag_dir, DIR, shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
-        rng = _decode(own["rng"], _RankTensors(index, path))
-    return {"iteration": header["iteration"], "consumed_train_samples": header["consumed_train_samples"],
-            "rng": rng, "plugins": _decode(header["plugins"], state_tensors)}
+        return _decode(own["rng"], _RankTensors(index, path))
+    return _decode(header["rng"], state_tensors)
 
 
 def shard_file_v2(tp_rank: int, pp_rank: int, dp_rank: int) -> str:

@@ -1,39 +1,23 @@
-"""--save-retain N / --save-retain-every K: which complete tags a save directory keeps.
+"""--save-retain N / --save-retain-every K: which tags of the current timeline a save directory keeps.
 
-Applied by global rank 0 right after a new tag is complete and ``latest`` names it, so a deletion
-never leaves the directory without a loadable tag; a tag being written (``*.tmp``) is not a complete
-tag and is never touched.
+Applied by global rank 0 right after a new tag is complete and ``latest`` names it
+(:meth:`megapost.checkpoint.folder.CheckpointFolder.retain`), so a deletion never leaves the directory
+without a loadable tag; a tag being written (``*.tmp``) is not a tag and is never touched, and tags
+beyond the iteration training is at are set aside before (never chosen among).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 
-from megapost.checkpoint.io import complete_tags
-
-
-def tags_to_delete(tags: list[str], latest: str | None, keep: int, every: int, interval: int) -> list[str]:
-    """The complete tags (sorted by iteration) that retention removes: all but the newest ``keep``,
-    the one ``latest`` names, and (``every`` > 0) tags whose iteration is a multiple of
-    ``every x interval``."""
+def tags_to_delete(timeline: list[tuple[int, str]], latest: str | None, keep: int, every: int,
+                   interval: int) -> list[str]:
+    """The tags of ``timeline`` ((iteration, tag), by iteration) that retention removes: all but the
+    newest ``keep``, the one ``latest`` names, and (``every`` > 0) those whose iteration is a multiple
+    of ``every x interval``."""
     if keep <= 0:
         return []
     period = every * max(1, interval)
-    kept = set(tags[-keep:]) | {latest}
+    kept = {t for _, t in timeline[-keep:]} | {latest}
     if every > 0:
-        kept |= {t for t in tags if int(t[len("iter_"):]) % period == 0}
-    return [t for t in tags if t not in kept]
-
-
-def apply(directory: str, keep: int, every: int = 0, interval: int = 0) -> list[str]:
-    """Delete what :func:`tags_to_delete` names; returns the deleted tags."""
-    try:
-        with open(os.path.join(directory, "latest")) as f:
-            latest: str | None = f.read().strip()
-    except OSError:
-        latest = None
-    doomed = tags_to_delete(complete_tags(directory), latest, keep, every, interval)
-    for tag in doomed:
-        shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)
-    return doomed
+        kept |= {t for i, t in timeline if i % period == 0}
+    return [t for _, t in timeline if t not in kept]

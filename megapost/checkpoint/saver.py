@@ -1,41 +1,46 @@
 """Saving a tag: every rank writes only its own files, in the foreground or (``--async-save``) in a
-background thread; global rank 0 publishes the tag once every rank's files are there.
+background thread; global rank 0 publishes the tag once every rank says its files are there.
 
-A tag is written under ``iter_XXXXXXX.tmp``. Each rank's file appears under its final name only when
-complete (temp name, then rename), so rank 0 knows the tag is whole by seeing every expected file —
-no collective runs in the background, none is needed to finish a save. Rank 0 then writes the
-manifest, renames the tag, replaces ``latest`` (both atomic) and applies ``--save-retain``. A rank
-whose write fails leaves ``layout_free/.failed-rankN`` (its error) so rank 0 stops waiting; a killed
-rank leaves a ``.tmp`` tag that ``latest`` never names and the next save removes.
+A tag is written under ``iter_XXXXXXX.tmp``; each rank's file appears under its final name only when
+complete (temp name, then rename). Nobody polls the filesystem: the ranks agree that a save is done
+with one small all-reduce (:func:`_agree`, on a CPU/gloo group, so it never waits on the device) —
+right after the write for a synchronous save, and at each step boundary while a background save is
+pending (:func:`poll`, as Megatron-LM finalises its async saves at the next steps). When every rank's
+write is done, rank 0 writes the manifest and publishes the tag (``CheckpointFolder.publish``:
+``latest`` names it, tags beyond it are set aside, ``--save-retain`` applied); when one failed, every
+rank raises the same one-line error (the file and the OS error) at that step and ``latest`` keeps
+naming the previous complete tag. A killed rank leaves a ``.tmp`` tag that ``latest`` never names and
+the next save removes.
 
 Under ``--async-save`` the host snapshot is taken by the background thread while the next step's
 forward and backward run; the optimizer step, a rollback and a load wait for it first
-(:func:`before_state_changes`). The next save, the end of training and an interrupt wait for a background save
-(:func:`wait_pending`); its errors (a full disk: one line naming the last complete tag) surface there.
+(:func:`before_state_changes`). The next save and the end of training wait for the write and agree
+(:func:`wait_pending`); an error or interrupt waits for this rank's write only (no collective).
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from megapost.checkpoint import io, retention, sharded
+from megapost.checkpoint import data_identity, finite_guard, io, sharded
 from megapost.checkpoint import layout_free as lf
 from megapost.checkpoint import safety as checkpoint_safety
+from megapost.checkpoint.folder import TMP_SUFFIX, CheckpointFolder, tag_of
 from megapost.checkpoint.stream_write import Staging
+from megapost.config.errors import ConfigError
 from megapost.config.resolved import Config
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
-FAILED = ".failed-rank"
 _STAGING = Staging()
 _POOL = sharded.HostPool()
 
@@ -46,13 +51,13 @@ class _Save:
 
     directory: str
     tag: str
+    iteration: int
     rank: int
-    expected: list[str]  # files (relative to the tag) every rank must have written
+    world: int
     previous: str | None
     keep: int = 0
     every: int = 0
     interval: int = 0
-    timeout_s: float = 600.0
     thread: threading.Thread | None = None
     error: BaseException | None = None
     written: int = 0
@@ -62,52 +67,62 @@ class _Save:
 
     @property
     def tmp_dir(self) -> str:
-        return os.path.join(self.directory, self.tag + io.TMP_SUFFIX)
+        return os.path.join(self.directory, self.tag + TMP_SUFFIX)
 
 
 _pending: _Save | None = None
+_GROUP: list[Any] = []  # the CPU (gloo) group the agreement runs on, made at the first save
+_MESSAGE_BYTES = 1024
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if _distributed():
         dist.barrier()
 
 
-def _fsync_dir(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def cpu_group() -> Any:
+    """A gloo group over every rank for small host-side agreements (the default group when it is gloo);
+    collective: every rank calls it the first time at the same point."""
+    if not _GROUP:
+        _GROUP.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _GROUP[0]
 
 
-def _publish(directory: str, tmp_tag: str, tag: str) -> None:
-    """The complete temp tag takes the final name, then ``latest`` names it (both atomic)."""
-    final, old = os.path.join(directory, tag), os.path.join(directory, f"{tag}.old{io.TMP_SUFFIX}")
-    if os.path.exists(final):  # the same iteration saved again: move the old copy aside first
-        os.replace(final, old)
-    os.replace(os.path.join(directory, tmp_tag), final)
-    _fsync_dir(directory)
-    atomic_write_text(os.path.join(directory, "latest"), tag)
-    _fsync_dir(directory)
-    shutil.rmtree(old, ignore_errors=True)
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or e} (errno {e.errno})"
+    text = str(e.code if isinstance(e, SystemExit) else e).removeprefix("error: ")
+    return text.splitlines()[0] if text else type(e).__name__
 
 
-def _wait_for_files(job: _Save) -> None:
-    deadline = time.monotonic() + job.timeout_s
-    while True:
-        missing = [n for n in job.expected if not os.path.exists(os.path.join(job.tmp_dir, n))]
-        if not missing:
-            return
-        failed = sorted(glob.glob(os.path.join(job.tmp_dir, lf.DIR, FAILED + "*")))
-        if failed:
-            with open(failed[0]) as f:
-                raise RuntimeError(f"checkpoint {job.tmp_dir} not published: {f.read().strip()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"checkpoint {job.tmp_dir} not published: {len(missing)} files of other ranks "
-                               f"missing after {job.timeout_s:.0f} s (first: {missing[0]})")
-        time.sleep(0.02)
+def _agree(job: _Save, done: bool) -> bool:
+    """Every rank's state of ``job`` in one all-reduce of one integer: True when all have written their
+    files, False while one is still writing; raises (on every rank alike) when one failed, with the
+    error of the lowest such rank."""
+    world, failed = job.world, job.error is not None
+    code = 2 * world + (world - 1 - job.rank) if failed else (0 if done else world)
+    if _distributed():
+        flag = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
+        code = int(flag[0])
+    if code < world:
+        return True
+    if code < 2 * world:
+        return False
+    rank = world - 1 - (code - 2 * world)
+    message = _one_line(_error(job.error, job)) if job.error is not None and job.rank == rank else ""
+    if _distributed():
+        raw = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        encoded = message.encode()[:_MESSAGE_BYTES]
+        raw[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded else raw[:0]
+        dist.all_reduce(raw, op=dist.ReduceOp.MAX, group=cpu_group())
+        message = bytes(raw.numpy()).rstrip(b"\0").decode(errors="replace")
+    raise ConfigError(f"checkpoint {job.tag} not saved: rank {rank}: {message}; 'latest' still names "
+                      f"{os.path.basename(job.previous) if job.previous else 'no tag'}")
 
 
 def _test_pause(tag: str, var: str = "MEGAPOST_SLOW_SAVE") -> Any:
@@ -115,27 +130,29 @@ def _test_pause(tag: str, var: str = "MEGAPOST_SLOW_SAVE") -> Any:
     sleeps SECONDS with its first file half written; ``MEGAPOST_SLOW_SNAPSHOT``: with its async
     snapshot's first tensor copied (the next optimizer step must wait)."""
     spec = os.environ.get(var, "")
-    if ":" not in spec or tag != f"iter_{int(spec.split(':')[0]):07d}":
+    if ":" not in spec or tag != tag_of(int(spec.split(":")[0])):
         return None
     return lambda: time.sleep(float(spec.split(":")[1]))
 
 
-def _finish(job: _Save, files: sharded.RankFiles) -> None:
-    """Write this rank's files; rank 0 then publishes the tag and applies retention."""
+def _write(job: _Save, files: sharded.RankFiles) -> None:
+    """Write this rank's files (an error is kept in ``job.error`` for :func:`_agree`)."""
     try:
         job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, _test_pause(job.tag))
-        if job.rank == 0:
-            _wait_for_files(job)
-            lf.write_manifest(job.tmp_dir)
-            _publish(job.directory, job.tag + io.TMP_SUFFIX, job.tag)
-            if job.keep:
-                retention.apply(job.directory, job.keep, job.every, job.interval)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.join(job.tmp_dir, lf.DIR), exist_ok=True)
-            with open(os.path.join(job.tmp_dir, lf.DIR, f"{FAILED}{job.rank}"), "w") as f:
-                f.write(f"rank {job.rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        raise
+    except Exception as e:
+        job.error = e
+
+
+def _publish(job: _Save) -> None:
+    """Rank 0, once every rank's files are there: manifest, final name, ``latest``, set-aside, retention."""
+    if job.rank != 0:
+        return
+    lf.write_manifest(job.tmp_dir)
+    folder = CheckpointFolder(job.directory)
+    folder.publish(job.tag)
+    folder.set_aside(job.iteration)  # after a rollback: tags of the abandoned timeline
+    if job.keep:
+        folder.retain(job.iteration, job.keep, job.every, job.interval)
 
 
 def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
@@ -143,8 +160,8 @@ def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        _finish(job, snapshot.files)
-    except BaseException as e:  # surfaces in wait_pending
+        _write(job, snapshot.files)
+    except BaseException as e:  # surfaces in poll / wait_pending
         job.error = e
     finally:
         job.done_at, job.cpu_s = time.perf_counter(), time.thread_time()
@@ -166,21 +183,46 @@ def before_state_changes() -> None:
         job.snapshot = None
 
 
+def poll() -> None:
+    """At a step boundary, on every rank: nothing when no background save is pending; else one small
+    all-reduce (host memory, no device sync) — every rank done: rank 0 publishes the tag; one failed:
+    every rank raises its one-line error now."""
+    global _pending
+    job = _pending
+    if job is None or job.thread is None:
+        return
+    alive = job.thread.is_alive()
+    try:
+        if not _agree(job, done=not alive):
+            return
+    except BaseException:
+        _pending = None
+        raise
+    _pending = None
+    job.thread.join()
+    _publish(job)
+
+
 def wait_pending(raise_errors: bool = True) -> int:
-    """Block until this rank's background save is written (rank 0: and published); returns its bytes.
-    Its error is raised here (``raise_errors``) — a full disk as the one-line ConfigError."""
+    """Block until the background save is written; returns this rank's bytes. ``raise_errors`` (the
+    next save, the end of training; every rank): agree, then rank 0 publishes and every rank raises a
+    failure. Without it (an error or interrupt path): this rank's write only; the tag stays
+    unpublished."""
     global _pending
     job, _pending = _pending, None
     if job is None or job.thread is None:
         return 0
     job.thread.join()
-    if job.error is not None and raise_errors:
-        raise _error(job.error, job) from None
+    if raise_errors:
+        _agree(job, done=True)
+        _publish(job)
     return job.written
 
 
-def _write_meta(run: io.RunLayout, ckpt_format: str, tmp_dir: str, tag: str, iteration: int) -> None:
-    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT, "ckpt_format": ckpt_format,
+def _write_meta(run: io.RunLayout, config: Config, tmp_dir: str, tag: str, iteration: int) -> None:
+    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT,
+            "ckpt_format": config.checkpoint.ckpt_format,
+            "data": data_identity.of(config.data.sources.prefixes),
             "tensor_model_parallel_size": run.tensor_model_parallel_size,
             "pipeline_model_parallel_size": run.pipeline_model_parallel_size,
             "data_parallel_size": run.data_parallel_size, "zero_stage": run.zero_stage,
@@ -190,40 +232,77 @@ def _write_meta(run: io.RunLayout, ckpt_format: str, tmp_dir: str, tag: str, ite
 
 
 def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_states: dict[str, Any],
-         pstate: Any) -> str:
+         pstate: Any, checked: Sequence[Any] = (), device: torch.device | None = None) -> str:
     """Save tag ``iter_XXXXXXX`` into ``config.checkpoint.save``: this rank's shard
     (``checkpoint.sharded``), DeepSpeed's files too under ``--ckpt-format deepspeed``; returns at once
-    under ``--async-save`` (the write goes on in a background thread), else when the tag is published."""
+    under ``--async-save`` (the write goes on in a background thread), else when the tag is published.
+    Refuses (one line, every rank) unless every tensor written and ``checked`` (the pending losses and
+    norms) is finite on every rank."""
     global _pending
     wait_pending()
     ckpt, run = config.checkpoint, io.RunLayout.of(config.flags)
-    tag = f"iter_{iteration:07d}"
-    expected = [f"{lf.DIR}/{n}" for n in [*sharded.all_shard_files(pstate), lf.STATE]]
-    job = _Save(ckpt.save, tag, pstate.global_rank, expected, io.last_complete(ckpt.save),
-                ckpt.save_retain, ckpt.save_retain_every, ckpt.save_interval,
-                60.0 * config.parallel.distributed_timeout_minutes)
+    tag = tag_of(iteration)
+    job = _Save(ckpt.save, tag, iteration, pstate.global_rank, pstate.world_size, io.last_complete(ckpt.save),
+                ckpt.save_retain, ckpt.save_retain_every, ckpt.save_interval)
     client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": io.rng_state(),
               "plugins": plugin_states,
               "args": {k: v for k, v in config.flags.items() if isinstance(v, (int, float, str, bool))}}
+    if _distributed():
+        cpu_group()
+    files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
+    written = [t for _, entries, _ in files.files for _, t in entries]
+    finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
     try:
         if job.rank == 0:
-            io.remove_temp_tags(ckpt.save)
-        _barrier()
+            CheckpointFolder(ckpt.save).clean()
+        barrier()
         if job.rank == 0:
-            _write_meta(run, ckpt.ckpt_format, job.tmp_dir, tag, iteration)
+            _write_meta(run, config, job.tmp_dir, tag, iteration)
         if ckpt.ckpt_format == "deepspeed":
-            engine.save_checkpoint(ckpt.save, tag=tag + io.TMP_SUFFIX, client_state=client, save_latest=False)
-            _barrier()
-        files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
-        if ckpt.async_save:
-            job.snapshot = _POOL.snapshot(files, _test_pause(tag, "MEGAPOST_SLOW_SNAPSHOT"))
-            job.thread = threading.Thread(target=_background, args=(job, job.snapshot), daemon=True,
-                                          name=f"megapost-save-{tag}")
-            _pending = job
-            job.thread.start()
-            return tag
-        _finish(job, files)
-        _barrier()
+            engine.save_checkpoint(ckpt.save, tag=tag + TMP_SUFFIX, client_state=client, save_latest=False)
+            barrier()
     except OSError as e:
         raise _error(e, job) from None
+    if ckpt.async_save:
+        job.snapshot = _POOL.snapshot(files, _test_pause(tag, "MEGAPOST_SLOW_SNAPSHOT"))
+        job.thread = threading.Thread(target=_background, args=(job, job.snapshot), daemon=True,
+                                      name=f"megapost-save-{tag}")
+        _pending = job
+        job.thread.start()
+        return tag
+    _write(job, files)
+    _agree(job, done=True)
+    _publish(job)
+    barrier()
     return tag
+
+
+SHARED_MARKER = ".megapost-shared-check"
+
+
+def check_shared(directory: str, rank: int) -> None:
+    """At start-up, on every rank: refuse (one line, every rank alike) a ``--save`` that some rank does
+    not see as rank 0 does (a node-local path): rank 0 writes a random token there, every rank must
+    read it back. Nothing to check in a single process."""
+    if not _distributed():
+        return
+    token = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
+    marker = os.path.join(directory, SHARED_MARKER)
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        atomic_write_text(marker, str(int(token[0])))
+    dist.broadcast(token, src=0, group=cpu_group())
+    try:
+        with open(marker) as f:
+            seen = f.read().strip() == str(int(token[0]))
+    except OSError:
+        seen = False
+    first = torch.tensor([dist.get_world_size() if seen else rank], dtype=torch.int64)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=cpu_group())
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+    if int(first[0]) < dist.get_world_size():
+        raise ConfigError(f"--save {directory} is not on a filesystem every rank sees: rank {int(first[0])} "
+                          "cannot read the file rank 0 wrote there (a node-local path?); put --save on a "
+                          "filesystem shared by every node")

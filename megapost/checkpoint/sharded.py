@@ -1,15 +1,17 @@
 """What one rank writes into a tag of megapost's sharded checkpoint (format 2), and nothing more.
 
 Each rank writes ``layout_free/shard-tpTT-ppPP-dpDD.safetensors``: for every parameter of its
-(TP, PP) shard, the part of the flattened fp32 master and Adam moments it owns — its ZeRO partition
+(TP, PP) shard, the part of the flattened fp32 master and optimizer state it owns — its ZeRO partition
 (DeepSpeed's per-parameter fragments, ``megapost.ds_adapter.fragments``: (start, numel) in the flattened
 parameter, the fp32 master and optimizer-state fragments views of the flat fp32 partition) or, without ZeRO
 (each data-parallel rank holds all of it), the whole local tensor from data-parallel rank 0 only —
-as 1-D tensors ``fp32/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, plus the rank's RNG. The
+as 1-D tensors ``fp32/<name>`` and ``<key>/<name>`` for every tensor of ``state[p]`` (Adam: ``exp_avg``,
+``exp_avg_sq``; SGD: ``momentum_buffer``), plus the rank's RNG. The
 header metadata ``megapost`` (JSON) gives per name the full shape, the TP split (dim, offset), the
 local shape and the fragment's (start, numel); any layout reassembles the slices it needs
 (``layout_free.ShardIndex``). Weights are the fp32 masters (the bf16 weights are their rounding).
-The logging rank also writes ``layout_free/state.safetensors`` (scheduler, counters, config, layout).
+The logging rank also writes ``layout_free/state.safetensors`` (scheduler, counters, config, layout,
+the optimizer's state keys and group settings).
 
 Nothing is gathered across ranks: a save's host memory is this rank's own shard (an async snapshot,
 taken while the next step's forward and backward run) or nothing but a fixed staging buffer
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,16 +53,18 @@ class RankFiles:
 
 
 def _fragments(engine: Any, p: torch.nn.Parameter, dp_rank: int,
-               has_state: bool) -> tuple[int, int, dict[str, torch.Tensor]] | None:
-    """(start, numel, {kind: 1-D tensor}) this rank owns of ``p`` (flattened), or None."""
-    if lf._is_mapped(p):  # None: this rank's ZeRO partition holds none of p
-        return fragments.owned_fragment(p, (fragments.MASTER, *(lf.MOMENTS if has_state else ())))
+               keys: Sequence[str]) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+    """(start, numel, {kind: 1-D tensor}) this rank owns of ``p`` (flattened): the fp32 master and the
+    optimizer state tensors ``keys``; or None."""
+    if lf._is_mapped(p):
+        # None: this rank's ZeRO partition holds none of p
+        return fragments.owned_fragment(p, (fragments.MASTER, *keys))
     if dp_rank != 0:
         return None  # replicated over data parallelism: data-parallel rank 0 writes it
     values = {"fp32": p.detach()}
-    if has_state:
+    if keys:
         state = lf._base_optimizer(engine).state[p]
-        values.update({k: state[k] for k in lf.MOMENTS})
+        values.update({k: state[k] for k in keys})
     return 0, p.numel(), {k: v.detach().reshape(-1).float() for k, v in values.items()}
 
 
@@ -69,13 +74,13 @@ def rank_files(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[st
     cfg = engine.module.config
     shapes = lf.full_shapes(cfg)
     params = lf.local_parameters(engine.module, cfg.num_layers, pstate.pp_size > 1)
-    step = lf._adam_step(engine)
-    if step is not None:
+    step, keys = lf._adam_step(engine), lf.state_keys(engine)
+    if keys:
         lf._link_state(engine)
     entries: list[tuple[str, torch.Tensor]] = []
     meta: dict[str, Any] = {}
     for name, p in params.items():
-        owned = _fragments(engine, p, pstate.dp_rank, step is not None)
+        owned = _fragments(engine, p, pstate.dp_rank, keys)
         if owned is None:
             continue
         start, numel, values = owned
@@ -90,17 +95,21 @@ def rank_files(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[st
     out = RankFiles([(os.path.join(lf.DIR, shard_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)),
                       entries, header)])
     if pstate.is_logging_rank:
-        out.files.append(_state_file(engine, pstate, layout, client, step))
+        out.files.append(_state_file(engine, pstate, layout, client, step, keys))
     return out
 
 
-def _state_file(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[str, Any],
-                step: int | None) -> tuple[str, list[tuple[str, torch.Tensor]], dict[str, Any]]:
+def _state_file(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[str, Any], step: int | None,
+                keys: list[str]) -> tuple[str, list[tuple[str, torch.Tensor]], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
+    groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, list,
+                                                                             tuple, type(None)))}
+              for g in lf._base_optimizer(engine).param_groups]
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     header = {
         "format": FORMAT, "iteration": client["iteration"],
         "consumed_train_samples": client["consumed_train_samples"], "adam_step": step,
+        "state_keys": keys, "param_groups": groups,
         "scheduler": scheduler, "model_config": asdict(engine.module.config), "layout": layout,
         "args": client.get("args", {}),
         "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,

@@ -36,6 +36,9 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true",
                    help="--load without the optimizer and scheduler state (Megatron's meaning)")
     g.add_argument("--no-load-rng", action="store_true", help="--load without the RNG state")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="--load the tag of this iteration instead of the one 'latest' names (Megatron's "
+                        "meaning); tags of --save beyond it are set aside at start-up")
 
 
 def check_checkpoint_arguments(args: argparse.Namespace) -> list[str]:
@@ -45,8 +48,10 @@ def check_checkpoint_arguments(args: argparse.Namespace) -> list[str]:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
     if args.save_retain_every and not args.save_retain:
         raise ConfigError("--save-retain-every needs --save-retain N (without it every tag is kept anyway)")
-    for flag in ("finetune", "no_load_optim", "no_load_rng"):
-        if getattr(args, flag) and not args.load:
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step {args.ckpt_step}: must be an iteration >= 0")
+    for flag in ("finetune", "no_load_optim", "no_load_rng", "ckpt_step"):
+        if getattr(args, flag) not in (False, None) and not args.load:
             raise ConfigError(f"--{flag.replace('_', '-')} says what --load restores, but there is no --load")
     notes = []
     if args.ckpt_format in FORMAT_NOTES:

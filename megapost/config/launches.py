@@ -1,6 +1,5 @@
-"""Every launch of a run, kept in ``args.json``; a resume reuses the saved data settings and refuses
-(one line) data that differs unless ``--override-data`` (then noted), as Megatron's
-``--override-opt_param-scheduler`` is for the schedule.
+"""Every launch of a run, kept in ``args.json``; a resume reuses the saved data settings not typed
+again (whether the data is the tag's own is checked against the tag: megapost.checkpoint.data_identity).
 
 ``args.json`` (in the TensorBoard directory, and in ``--save`` so ``--load`` alone finds it) holds the
 latest launch's flags at the top level (what analysis tools read) and ``launches``: every launch, oldest
@@ -15,8 +14,6 @@ import os
 import sys
 import time
 from typing import Any
-
-from megapost.config.errors import ConfigError
 
 ARGS_JSON = "args.json"
 DATA_KEYS = ("data_path", "split", "tokenizer_type", "tokenizer_model", "vocab_size", "train_data_path",
@@ -61,27 +58,17 @@ def previous_launches(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def reconcile_resume(args: argparse.Namespace) -> list[str]:
-    """Resuming (``--load`` set): untyped data flags take the saved values; typed ones that differ are
-    refused unless --override-data. Changed schedule flags are noted. Returns the start-up notes."""
+    """Resuming (``--load`` set): untyped data flags take the saved values (typed ones are checked
+    against the tag's data identity later). Changed schedule flags are noted. Returns the start-up notes."""
     args.launch_history = previous_launches(args)
     args.launch_data = data_settings(args)
     if not args.load or not args.launch_history:
         return []
     last = args.launch_history[-1]
-    saved, changed = last.get("data", {}), []
+    saved, notes = last.get("data", {}), []
     for key in DATA_KEYS:
-        if key not in saved:
-            continue
-        if key not in args.explicit:
+        if key in saved and key not in args.explicit:
             setattr(args, key, saved[key])
-        elif _norm(getattr(args, key)) != saved[key]:
-            changed.append(f"{_flag(key)} {_show(saved[key])} -> {_show(getattr(args, key))}")
-    notes = []
-    if changed and not args.override_data:
-        raise ConfigError(f"resuming {args.load}, trained with other data: {'; '.join(changed)}; pass the "
-                          "run's data flags again (or none), or --override-data to continue on the new data")
-    if changed:
-        notes.append(f"--override-data: continuing on new data ({'; '.join(changed)})")
     args.launch_data = data_settings(args)
     schedule = [f"{_flag(k)} {last['schedule'][k]} -> {getattr(args, k)}" for k in SCHEDULE_KEYS
                 if k in last.get("schedule", {}) and last["schedule"][k] != getattr(args, k)]
@@ -99,10 +86,6 @@ def fresh_start(args: argparse.Namespace) -> str | None:
         return None
     args.load = None
     return f"--load {args.save}: no checkpoint there yet; starting a new run that saves to it (as Megatron)"
-
-
-def _show(value: Any) -> str:
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def record(args: argparse.Namespace) -> dict[str, Any]:

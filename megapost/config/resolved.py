@@ -77,6 +77,7 @@ class CheckpointConfig:
     finetune: bool
     no_load_optim: bool
     no_load_rng: bool
+    ckpt_step: int | None = None  # Megatron's --ckpt-step: the tag to load instead of 'latest'
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
                                   a.lr_wsd_decay_style, a.lr_warmup_init),
         checkpoint=CheckpointConfig(a.save, a.load, a.load_hf, a.save_interval, a.trust_checkpoint,
                                     a.ckpt_format, a.async_save, a.save_retain, a.save_retain_every,
-                                    a.finetune, a.no_load_optim, a.no_load_rng),
+                                    a.finetune, a.no_load_optim, a.no_load_rng, a.ckpt_step),
         logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.runs_dir, a.run_name,
                               a.tensorboard_queue_size, a.peak_tflops, a.remeasure_peak,
                               tuple(a.megatron_notes)),

@@ -58,6 +58,8 @@ class Progress:
     run_name: str | None = None  # --run-name as resolved (None: no run directory)
     runs_dir: str | None = None  # --runs-dir as resolved
     state: Any = None  # the trainer's TrainState (``.iteration``)
+    # megapost.checkpoint.io.last_complete (the one reader of 'latest'), set by the trainer's build
+    checkpoint_of: Callable[[str], str | None] | None = None
     requested: int = 0  # signal number caught while --exit-signal-handler defers it
     deferring: bool = False
     interrupted: bool = False
@@ -255,16 +257,11 @@ def resume_command(save: str | None = None, run_name: str | None = None,
 
 
 def last_checkpoint(save: str | None) -> str:
-    """``<save>/<tag>`` named by ``latest`` when that tag exists, else ``none``."""
+    """``<save>/<tag>`` a resume would load (``Progress.checkpoint_of``), else ``none``."""
     if not save:
         return "none (no --save)"
-    try:
-        with open(os.path.join(save, "latest")) as f:
-            tag = f.read().strip()
-    except OSError:
-        return "none"
-    path = os.path.join(save, tag)
-    return path if tag and os.path.isdir(path) else "none"
+    found = PROGRESS.checkpoint_of(save) if PROGRESS.checkpoint_of is not None else None
+    return found or "none"
 
 
 def interrupted_line() -> str:

@@ -14,6 +14,7 @@ import deepspeed
 import torch
 
 from megapost.checkpoint import hf
+from megapost.checkpoint import io as checkpoint_io
 from megapost.checkpoint import safety as checkpoint_safety
 from megapost.config import launches
 from megapost.config.errors import ConfigError
@@ -122,6 +123,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
     log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
     progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
+    progress.checkpoint_of = checkpoint_io.last_complete
     interrupts.forget_port_check()
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
@@ -166,6 +168,7 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
         monitor.line(f" loaded the weights of {ckpt.load_hf}")
     elif config.logging.run_dir:  # a named run restarted before its first checkpoint: its logs start over
         trainer.continue_logs(-1, -1)
+    trainer.checkpoints.start()  # --save seen by every rank; tags beyond the start set aside
     monitor.line(f" megapost: {config.model.parameter_summary()}, norm={config.model.norm_position}, "
                  f"{init_summary(args)}, {'bf16' if config.runtime.bf16 else 'fp32'}, {prep.threads}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "

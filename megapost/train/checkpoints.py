@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from typing import Any
 
 import torch
 
-from megapost.checkpoint import finite_guard, saver
 from megapost.checkpoint import io as checkpoint_io
+from megapost.checkpoint import saver
+from megapost.checkpoint.folder import ASIDE, CheckpointFolder
 from megapost.config.resolved import Config
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
@@ -42,14 +44,37 @@ class CheckpointManager:
     def save(self) -> None:
         st = self.state
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
-        pending = [loss for (_, loss, _, _), n in zip(st.losses, norms, strict=True)
-                   if n is None or math.isfinite(n)]
-        finite_guard.refuse_non_finite(self.engine.module.parameters(), pending, st.iteration,
-                                       self.ckpt.save, self.device)
+        pending = [t for (_, loss, norm, _), n in zip(st.losses, norms, strict=True)
+                   if n is None or math.isfinite(n) for t in (loss, norm)]
         tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self.host.states(),
-                         self.pstate)
+                         self.pstate, checked=pending, device=self.device)
         done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.ckpt.save}/{tag}")
+
+    def start(self) -> None:
+        """At start-up, every rank: ``--save`` must be seen by every rank (refused in one line if not);
+        its tags beyond the iteration training starts at (a resume from an older tag, ``--finetune``)
+        are moved to ``set-aside/`` by rank 0, with a note; the tag just loaded stays."""
+        save = self.ckpt.save
+        if not save:
+            return
+        saver.check_shared(save, self.pstate.global_rank)
+        folder, spare = CheckpointFolder(save), None
+        if self.ckpt.load and os.path.abspath(self.ckpt.load) == os.path.abspath(save):
+            spare = folder.resolve(step=self.ckpt.ckpt_step).tag
+        beyond = folder.beyond(self.state.iteration, spare)
+        saver.barrier()  # every rank has looked before rank 0 moves anything
+        if beyond and self.pstate.global_rank == 0:
+            folder.set_aside(self.state.iteration, spare)
+        if beyond:
+            self.monitor.line(f" megapost: --save {save}: {len(beyond)} tags beyond iteration "
+                              f"{self.state.iteration} (not on this run's timeline) moved to "
+                              f"{os.path.join(save, ASIDE)}/: {', '.join(beyond)}")
+
+    def poll(self) -> None:
+        """At each step boundary: a background save done everywhere is published, a failed one raises
+        on every rank (nothing, and no collective, when none is pending)."""
+        saver.poll()
 
     def before_state_changes(self) -> None:
         """Before the optimizer step, a rollback or a load: a background save's snapshot is taken."""

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from megapost.checkpoint import hf
-from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir
+from megapost.checkpoint import data_identity, hf
+from megapost.checkpoint.folder import CheckpointFolder
+from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir, read_meta
 from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
 from megapost.config.deepspeed_json import reconcile_with_user_config
@@ -106,6 +107,12 @@ def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
         raise ConfigError("invalid parallel layout: " + "; ".join(errors))
     run = RunLayout.of(vars(args))  # as given: resolution (megapost.config.resolved) comes after the groups
     if args.load:
-        check_layout(args.load, run, args.trust_checkpoint)
+        resolved = CheckpointFolder(args.load).resolve(step=args.ckpt_step)
+        check_layout(args.load, run, args.trust_checkpoint, args.ckpt_step)
+        meta = read_meta(args.load, resolved.tag) or {}
+        data_note = None if args.finetune else data_identity.check(
+            os.path.join(args.load, resolved.tag), meta.get("data"),
+            data_identity.of(args.data_sources.prefixes), args.override_data)
+        args.start_notes += [n for n in (resolved.note, data_note) if n]
     check_save_dir(args.save, run.shape)
     return Prepared(args, model_cfg, user_ds, classes, threads)

@@ -121,6 +121,7 @@ class Trainer:
         """One iteration: step, record, log, evaluate, save, plugins; returns why to stop (or None)."""
         run, st, runner = self.config.runtime, self.state, self.runner
         self.watchdog.before_step(st.iteration + 1)
+        self.checkpoints.poll()  # a background save: published, or its failure raised, on every rank
         if st.iteration + 1 in run.iterations_to_skip:
             return self._skip_iteration()
         lr = self.engine.get_lr()[0]

@@ -1,0 +1,144 @@
+"""Rank bodies for the checkpoint fault tests (``run_ranks`` spawns them): a background write that fails
+on one rank, a ``--save`` each rank sees differently, and a rollback during training."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+
+def failing_write(argv: list[str], rank_to_fail: int, tag: str) -> dict[str, Any]:
+    """Train with ``argv``; on ``rank_to_fail`` opening any file of ``tag`` fails as on a read-only
+    filesystem (the OS error the writer sees). Returns the one-line error and the iteration it came at."""
+    import builtins
+
+    import torch.distributed as dist
+
+    from megapost.checkpoint import stream_write
+    from megapost.pretrain import run
+    from megapost.runtime import interrupts
+
+    def read_only_open(path: Any, *args: Any, **kw: Any) -> Any:
+        if dist.get_rank() == rank_to_fail and tag in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return builtins.open(path, *args, **kw)
+
+    stream_write.open = read_only_open  # type: ignore[attr-defined]  # the writer's open, this rank only
+    try:
+        run(argv)
+    except SystemExit as e:
+        return {"message": str(e.code), "iteration": interrupts.PROGRESS.state.iteration}
+    return {"message": None, "iteration": interrupts.PROGRESS.state.iteration}
+
+
+def shared_check(base: str) -> list[str | None]:
+    """``check_shared`` on a directory all ranks see, then on one per rank (a node-local path)."""
+    import torch.distributed as dist
+
+    from megapost.checkpoint import saver
+
+    out: list[str | None] = []
+    for d in (os.path.join(base, "shared"), os.path.join(base, f"node{dist.get_rank()}")):
+        try:
+            saver.check_shared(d, dist.get_rank())
+            out.append(None)
+        except SystemExit as e:
+            out.append(str(e.code))
+    return out
+
+
+def rollback(argv: list[str], snap_at: int, back_at: int, ckpt: str) -> dict[int, list[str]]:
+    """Train with ``argv``; after iteration ``snap_at`` take an in-memory snapshot, after ``back_at`` roll
+    back to it (as the collapse guard does). Returns the tags in ``ckpt`` after each iteration past the
+    rollback, keyed by iteration."""
+    from megapost.pretrain import run
+    from megapost.train.plugin_host import PluginHost
+
+    real, seen, state = PluginHost.after_iteration, {}, {"snap": None, "back": False}
+
+    def after(self: PluginHost, iteration: int) -> Any:
+        if state["back"]:
+            seen[iteration] = sorted(p.name for p in Path(ckpt).iterdir() if p.name.startswith("iter_"))
+        if iteration == snap_at and not state["back"]:
+            state["snap"] = self.binding.snapshot()
+        elif iteration == back_at and not state["back"]:
+            state["back"] = True
+            self.binding.restore(state["snap"], False)
+        return real(self, iteration)
+
+    PluginHost.after_iteration = after  # type: ignore[method-assign]
+    run(argv)
+    return seen
+
+
+def poisoned_moment(argv: list[str]) -> str | None:
+    """Train with ``argv``; just before the first save, one Adam moment value becomes NaN (the module's
+    weights stay finite). Returns the error the save raised (None: it saved)."""
+    from megapost.pretrain import run
+    from megapost.train.checkpoints import CheckpointManager
+
+    real = CheckpointManager.save
+
+    def save(self: CheckpointManager) -> None:
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        state = next(iter(base.state.values()))
+        state["exp_avg"].view(-1)[0] = float("nan")
+        real(self)
+
+    CheckpointManager.save = save  # type: ignore[method-assign]
+    try:
+        run(argv)
+    except FloatingPointError as e:
+        return str(e)
+    return None
+
+
+def train(argv: list[str]) -> None:
+    from megapost.pretrain import run
+
+    run(argv)
+
+
+def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
+    """Resume with ``argv`` counting the tensor bytes this rank reads from each checkpoint file
+    (``assembled``: as if the layout differed — every rank assembles from every file). Returns
+    {"read": {file: bytes}, "own": this rank's shard file bytes}."""
+    from collections import defaultdict
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from megapost.checkpoint import layout_free, own_shard
+    from megapost.pretrain import run
+
+    read: dict[str, int] = defaultdict(int)
+
+    class Counted:
+        def __init__(self, path: str, framework: str) -> None:
+            self.path, self.f = os.path.basename(path), safe_open(path, framework=framework)
+
+        def __enter__(self) -> Counted:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+        def get_tensor(self, key: str) -> Any:
+            t = self.f.get_tensor(key)
+            read[self.path] += t.numel() * t.element_size()
+            return t
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+    layout_free.safe_open = Counted  # type: ignore[assignment]
+    own_shard.safe_open = Counted  # type: ignore[assignment]
+    if assembled:
+        own_shard.load = lambda *a, **k: None  # type: ignore[assignment]
+    run(argv)
+    load = Path(argv[argv.index("--load") + 1])
+    tag = (load / "latest").read_text().strip()  # TP 1, PP 1: the data-parallel rank is the global rank
+    own = load / tag / "layout_free" / f"shard-tp00-pp00-dp{dist.get_rank():02d}.safetensors"
+    return {"read": dict(read), "own": own.stat().st_size}

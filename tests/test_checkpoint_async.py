@@ -1,0 +1,85 @@
+"""A failed background save is seen at once, on every rank, in one line; ``latest`` keeps the previous
+tag; a node-local ``--save`` is refused; retention after a rollback (literal tags)."""
+
+from __future__ import annotations
+
+import pytest
+from ckpt_faults import failing_write, poisoned_moment, resume_reads, rollback, shared_check, train
+from dist_utils import run_ranks
+from launch_utils import tiny_model_flags
+
+
+def _argv(data, ckpt, **flags) -> list[str]:
+    return [str(a) for a in tiny_model_flags(data, **{"--save": ckpt, "--save-interval": 2,
+                                                        "--lr-decay-iters": 10, "--log-interval": 100,
+                                                        **flags})]
+
+
+@pytest.mark.slow
+def test_node_local_save_is_refused_in_one_line(tmp_path) -> None:
+    shared, local = zip(*run_ranks(shared_check, 2, str(tmp_path), timeout=300), strict=True)
+    assert shared == (None, None)
+    for rank, line in enumerate(local):  # each rank names its own path (on a cluster: the same string)
+        assert line.startswith(f"error: --save {tmp_path}/node{rank} is not on a filesystem every rank sees: "
+                               "rank 1 cannot read the file rank 0 wrote there") and "\n" not in line
+
+
+@pytest.mark.slow
+def test_failed_background_write_reaches_every_rank_at_the_next_step(tiny_data, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    argv = _argv(tiny_data, ckpt, **{"--train-iters": 8, "--async-save": True, "--global-batch-size": 4})
+    by_rank = run_ranks(failing_write, 2, argv, 1, "iter_0000004", timeout=600)
+    for r in by_rank:
+        print(f"rank message: {r['message']!r} after iteration {r['iteration']}")
+    messages = {r["message"] for r in by_rank}
+    assert len(messages) == 1, by_rank  # the same line on every rank
+    (message,) = messages
+    assert message.startswith("error: checkpoint iter_0000004 not saved: rank 1: ")
+    assert "iter_0000004.tmp/layout_free/shard-tp00-pp00-dp01.safetensors: Read-only file system (errno 30)" \
+        in message and message.endswith("'latest' still names iter_0000002") and "\n" not in message
+    iterations = {r["iteration"] for r in by_rank}
+    assert len(iterations) == 1 and iterations <= {4, 5}, by_rank  # at the first step boundary after it
+    assert (ckpt / "latest").read_text() == "iter_0000002" and not (ckpt / "iter_0000004").exists()
+
+
+@pytest.mark.slow
+def test_retention_after_a_rollback(tiny_data, tmp_path) -> None:
+    # saves at 2, 4, 6, 8 (keep 2: 6, 8 left); after 8 back to the snapshot of 3; then 4 is saved again:
+    # 6 and 8 (of the abandoned timeline) are set aside, retention keeps the newest 2 of this timeline
+    # (keeping the newest 2 by number would have kept the stale 6 and 8 and deleted 4 at the save of 6)
+    ckpt = tmp_path / "ckpt"
+    seen = run_ranks(rollback, 1, _argv(tiny_data, ckpt, **{"--train-iters": 10, "--save-retain": 2}), 3, 8,
+                     str(ckpt), timeout=600)[0]
+    assert seen[4] == ["iter_0000004"]
+    assert seen[6] == ["iter_0000004", "iter_0000006"]
+    assert seen[10] == ["iter_0000008", "iter_0000010"]
+    aside = sorted(p.name for p in (ckpt / "set-aside").iterdir())
+    assert aside == ["iter_0000006", "iter_0000008"]
+    assert (ckpt / "latest").read_text() == "iter_0000010"
+
+
+@pytest.mark.slow
+def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    message = run_ranks(poisoned_moment, 1, _argv(tiny_data, ckpt, **{"--train-iters": 2}), timeout=600)[0]
+    assert message is not None and message.startswith("not saving a non-finite training state")
+    assert not (ckpt / "latest").exists() and not list(ckpt.glob("iter_*"))
+
+
+@pytest.mark.slow
+def test_same_layout_resume_reads_only_its_own_shard(tiny_data, tmp_path) -> None:
+    # DP4 ZeRO-1: each rank's shard is a quarter of the state; the resume (same layout) reads its own
+    # file (+ the small state file); assembling as for another layout reads every rank's fragments
+    ckpt = tmp_path / "ckpt"
+    flags = {"--hidden-size": 256, "--ffn-hidden-size": 512, "--global-batch-size": 8, "--zero-stage": 1,
+             "--save-interval": 2}
+    run_ranks(train, 4, _argv(tiny_data, ckpt, **{**flags, "--train-iters": 2}), timeout=900)
+    resume = _argv(tiny_data, tmp_path / "unused", **{**flags, "--train-iters": 3, "--load": ckpt})
+    for assembled, low, high in ((False, 1.0, 1.1), (True, 3.5, 4.5)):
+        for r, got in enumerate(run_ranks(resume_reads, 4, resume, assembled, timeout=900)):
+            ratio = sum(got["read"].values()) / got["own"]
+            print(f"{'assembled' if assembled else 'own shard'}: rank {r} read {sum(got['read'].values())} "
+                  f"bytes / its shard {got['own']} = {ratio:.3f} ({sorted(got['read'])})")
+            assert low <= ratio <= high, (assembled, r, got)
+            if not assembled:
+                assert set(got["read"]) == {f"shard-tp00-pp00-dp{r:02d}.safetensors", "state.safetensors"}
