@@ -8,7 +8,7 @@ own writer's directory and two runs (Post vs Pre) get two colours. What stays re
     collapse/alarm/{collapsed|transition|early_warning}_at_step   the step an alarm went on, written
       at every measured step while it is on: a flat line smoothing cannot ramp (the 0/1 flags stay in
       the JSONL)
-    collapse_layers/<q>/L{ll}/...   per-layer detail for the key layers only (first, quartiles, last;
+    collapse_layers/<q>/L{ll}/...   per-layer detail for the key layers only (first, quartiles, last:
       ``key_layers``); every layer is in the JSONL and in the images (images.py)
 Custom Scalars: every chart holds at most ``MAX_TAGS`` tags, named in its title, so two runs side by
 side draw at most 6 lines (TensorBoard's palette has 7 colours; the chart lists its matches by name).
@@ -33,7 +33,7 @@ ALARMS = ("collapsed", "transition", "early_warning")  # step-record fields that
 
 
 def key_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
-    """First, quartiles and last of the measured layers: (1, 13, 25, 37, 48) of 48."""
+    """First, quartiles and last of the measured layers: (1, 13, 25, 36, 48) of 48."""
     n = len(layers)
     return tuple(sorted({layers[round(q * (n - 1))] for q in (0.0, 0.25, 0.5, 0.75, 1.0)})) if n else ()
 
@@ -113,15 +113,14 @@ def _charts(charts: dict[str, list[str]]) -> dict[str, list[Any]]:
 
 
 def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[Any]]]:
-    """Category ``collapse`` (losses, t_sim at the ends, the alarms), ``depth`` (min/mean/max across the
+    """Category ``collapse`` (losses, t_sim at the ends, gradient ratio), ``depth`` (min/mean/max across the
     layers per quantity) and ``key layers`` (one chart per quantity and key layer, attn beside ffn).
     Each chart matches at most ``MAX_TAGS`` tags, and its title says which."""
     top = {"lm loss, and the train split's frequency loss (flat)": [r"^collapse/(loss|freq_loss/corpus)$"],
            "frequency loss of the step's labels: agg, per sequence": [r"^collapse/freq_loss/(agg|seq)$"],
            "t_sim(X^H) at the head": [r"^collapse/t_sim/head$"],
            "t_sim of the embeddings": [r"^collapse/t_sim/embed$"],
-           "log10 first/last-layer gradient ratio": [r"^collapse/log10_grad_ratio$"],
-           "step the collapse alarm went on (flat while on)": [r"^collapse/alarm/collapsed_at_step$"]}
+           "log10 first/last-layer gradient ratio": [r"^collapse/log10_grad_ratio$"]}
     depth = {f"{name}: min, mean, max across layers": [rf"^collapse/depth/{name}/(min|mean|max)$"]
              for name in DEPTH}
     keyed: dict[str, list[str]] = {}
