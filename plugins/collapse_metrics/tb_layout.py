@@ -112,10 +112,14 @@ def _charts(charts: dict[str, list[str]]) -> dict[str, list[Any]]:
     return {title: ["Multiline", regexes] for title, regexes in charts.items()}
 
 
-def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[Any]]]:
+Layout = dict[str, dict[str, list[Any]]]
+
+
+def custom_scalars_layout(layers: tuple[int, ...], normalised_out: bool = True) -> Layout:
     """Category ``collapse`` (losses, t_sim at the ends, gradient ratio), ``depth`` (min/mean/max across the
     layers per quantity) and ``key layers`` (one chart per quantity and key layer, attn beside ffn).
-    Each chart matches at most ``MAX_TAGS`` tags, and its title says which."""
+    Each chart matches at most ``MAX_TAGS`` tags, and its title says which. ``normalised_out``: the
+    placement has a normalised layer output (t_sim/out; not Pre-Norm), else its charts are left out."""
     top = {"lm loss, and the train split's frequency loss (flat)": [r"^collapse/(loss|freq_loss/corpus)$"],
            "frequency loss of the step's labels: agg, per sequence": [r"^collapse/freq_loss/(agg|seq)$"],
            "t_sim(X^H) at the head": [r"^collapse/t_sim/head$"],
@@ -126,8 +130,9 @@ def custom_scalars_layout(layers: tuple[int, ...]) -> dict[str, dict[str, list[A
     keyed: dict[str, list[str]] = {}
     for n in key_layers(layers):
         p, ll = "^collapse_layers", f"L{n:02d}"
-        keyed |= {f"{ll} t_sim out: attn, ffn": [rf"{p}/t_sim/{ll}/(attn|ffn)/out$"],
-                  f"{ll} t_sim y: attn, ffn": [rf"{p}/t_sim/{ll}/(attn|ffn)/y$"],
+        if normalised_out:
+            keyed[f"{ll} t_sim out: attn, ffn"] = [rf"{p}/t_sim/{ll}/(attn|ffn)/out$"]
+        keyed |= {f"{ll} t_sim y: attn, ffn": [rf"{p}/t_sim/{ll}/(attn|ffn)/y$"],
                   f"{ll} rms factor mean: attn, ffn": [rf"{p}/rms_factor/{ll}/(attn|ffn)/mean$"],
                   f"{ll} grad norm of the layer": [rf"{p}/grad_norm/{ll}$"]}
         keyed |= {f"{ll} {q}: attn, ffn": [rf"{p}/{q}/{ll}/(attn|ffn)$"]

@@ -87,7 +87,8 @@ class Writers:
         if self.writer is None:
             return
         if not self.layout_written:
-            self.writer.add_custom_scalars(custom_scalars_layout(self.layers))
+            normalised = any(r["t_sim_out"] is not None for r in layer_records)
+            self.writer.add_custom_scalars(custom_scalars_layout(self.layers, normalised))
             self.layout_written = True
         tags = step_tags(step_record) | depth_tags(layer_records) | self.alarms.tags(step, step_record)
         for rec in layer_records:
