@@ -16,7 +16,7 @@ from collapse_metrics.analysis.outcome import read_run, summarize
 from collapse_metrics.frequency import aggregated_frequency_loss, label_counts
 from collapse_metrics.plugin import image_interval
 from collapse_metrics.state import CollapseState, StateConfig, grad_ratio, is_collapsed
-from collapse_metrics.writers import custom_scalars_layout
+from collapse_metrics.tb_layout import custom_scalars_layout, key_layers
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -51,7 +51,10 @@ def test_alarm_flags_collapsed_post_norm_not_its_pre_norm_twin(tiny_data, tmp_pa
     assert max(r["t_sim_head"] for r in pre) > 0.95
     assert not any(r["collapsed"] for r in pre) and min(r["grad_ratio"] for r in pre) > 1e-2
     assert "COLLAPSED" not in pre_log
-    assert read_scalars(tmp_path / "post", "collapse/collapsed")[flagged[0]] == 1.0
+    # TensorBoard: the step the alarm went on, flat from there (smoothing cannot ramp a constant)
+    assert read_scalars(tmp_path / "post", "collapse/alarm/collapsed_at_step") == dict.fromkeys(flagged,
+                                                                                               flagged[0])
+    assert read_scalars(tmp_path / "pre", "collapse/alarm/collapsed_at_step") == {}
     acc = EventAccumulator(str(tmp_path / "post"), size_guidance={"tensors": 0})
     acc.Reload()
     texts = [t for t in acc.Tags()["tensors"] if t.startswith("collapse/alerts")]
@@ -132,14 +135,12 @@ def test_heatmap_default_gives_a_short_run_a_few_images():
     assert image_interval(flags("--collapse-image-interval", "0")) == 0
 
 
-def test_custom_scalars_per_layer_group():
-    layout = custom_scalars_layout(tuple(range(1, 13)))
-    assert [c for c in layout if c.startswith("layer")] == ["layers 1-4", "layers 5-8", "layers 9-12"]
-    regex = layout["layers 5-8"]["alpha attn"][1][0]
-    import re
-
-    tags = [f"collapse_layers/alpha/L{n:02d}/attn" for n in range(1, 13)]
-    assert [t for t in tags if re.search(regex, t)] == tags[4:8]
+def test_key_layers_are_first_quartiles_last():
+    assert key_layers(tuple(range(1, 49))) == (1, 13, 25, 36, 48)  # 0, 1/4, 1/2, 3/4, 1 of 47 gaps
+    assert key_layers((1, 2, 3)) == (1, 2, 3) and key_layers((1, 2, 47, 48)) == (1, 2, 47, 48)
+    layout = custom_scalars_layout(tuple(range(1, 49)))
+    assert list(layout) == ["collapse", "depth", "key layers"]
+    assert {title.split()[0] for title in layout["key layers"]} == {"L01", "L13", "L25", "L36", "L48"}
 
 
 def test_outcome_of_a_delayed_collapse(tmp_path):

@@ -67,33 +67,34 @@ def test_jsonl_and_tensorboard(tmp_path):
                 f"{p}/grad_norm/L01", f"{p}/grad_norm/L01/attn", f"{p}/grad_norm/L01/ffn",
                 f"{p}/grad_norm/L01/norms", "collapse/freq_loss/agg", "collapse/freq_loss/seq",
                 "collapse/freq_loss/running", "collapse/t_sim/embed", "collapse/t_sim/head", "collapse/loss",
-                "collapse/grad_ratio", "collapse/collapsed", "collapse/summary/alpha/median",
-                "collapse/summary/t_sim_out/deepest", "collapse/summary/grad_norm_layer/min"):
+                "collapse/grad_ratio", "collapse/log10_grad_ratio", "collapse/depth/alpha/mean",
+                "collapse/depth/t_sim_out/max", "collapse/depth/grad_norm_layer/min"):
         assert tag in scalars, tag
     assert not [t for t in scalars if t.startswith("collapse/") and re.search(r"/L\d\d", t)]
     assert len([t for t in scalars if t.startswith("collapse/")]) <= 40
     assert f"{p}/t_sim/L01/attn/out" not in scalars  # null under Pre-Norm: not written
     assert [e.step for e in events.Scalars(f"{p}/t_sim/L02/attn/y")] == [0, 2, 4]
     assert [e.step for e in events.Scalars(f"{p}/alpha/L02/attn")] == [2, 4]
-    # summaries: min/median/max over layers and the deepest layer, of the same numbers as the detail
+    # across depth: min/mean/max over layers, of the same numbers as the detail
     alphas = [events.Scalars(f"{p}/alpha/L0{n}/{k}")[-1].value for n in (1, 2, 3) for k in ("attn", "ffn")]
-    assert events.Scalars("collapse/summary/alpha/max")[-1].value == pytest.approx(max(alphas))
-    median = events.Scalars("collapse/summary/alpha/median")[-1].value
-    assert median == pytest.approx(float(np.median(alphas)))
-    assert events.Scalars("collapse/summary/t_sim_out/deepest")[-1].value == pytest.approx(
-        events.Scalars(f"{p}/t_sim/L03/ffn/y")[-1].value)
-    assert [e.step for e in events.Images("collapse/t_sim_heatmap")] == [2]  # every 2nd measured step
+    assert events.Scalars("collapse/depth/alpha/max")[-1].value == pytest.approx(max(alphas))
+    mean = events.Scalars("collapse/depth/alpha/mean")[-1].value
+    assert mean == pytest.approx(float(np.mean(alphas)))
+    outs = [events.Scalars(f"{p}/t_sim/L0{n}/ffn/y")[-1].value for n in (1, 2, 3)]  # Pre-Norm: Y
+    assert events.Scalars("collapse/depth/t_sim_out/min")[-1].value == pytest.approx(min(outs))
+    for tag in ("collapse/depth_profiles", "collapse/heatmaps"):  # every 2nd measured step
+        assert [e.step for e in events.Images(tag)] == [2, 4], tag  # and the end (step 4, drawn at close)
 
     layout = layout_pb2.Layout()
     layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {(cat.title, c.title): list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    regex = charts[("layers 1-3", "t_sim attn y")][0]
-    assert {t for t in scalars if re.search(regex, t)} == {f"{p}/t_sim/L0{n}/attn/y" for n in (1, 2, 3)}
-    layer_regex = charts[("layers 1-3", "grad_norm layer")][0]
-    assert {t for t in scalars if re.search(layer_regex, t)} == {f"{p}/grad_norm/L0{n}" for n in (1, 2, 3)}
-    summary = charts[("collapse", "alpha over layers")][0]
-    assert {t for t in scalars if re.search(summary, t)} == {f"collapse/summary/alpha/{s}"
-                                                             for s in ("min", "median", "max", "deepest")}
+    regex = charts[("key layers", "L02 t_sim y: attn, ffn")][0]
+    assert {t for t in scalars if re.search(regex, t)} == {f"{p}/t_sim/L02/{k}/y" for k in ("attn", "ffn")}
+    layer_regex = charts[("key layers", "L03 grad norm of the layer")][0]
+    assert {t for t in scalars if re.search(layer_regex, t)} == {f"{p}/grad_norm/L03"}
+    summary = charts[("depth", "alpha: min, mean, max across layers")][0]
+    assert {t for t in scalars if re.search(summary, t)} == {f"collapse/depth/alpha/{s}"
+                                                             for s in ("min", "mean", "max")}
 
 
 def test_null_rms_factor_flows_to_jsonl_tensorboard_and_figures(tmp_path):
@@ -114,7 +115,7 @@ def test_null_rms_factor_flows_to_jsonl_tensorboard_and_figures(tmp_path):
     p = "collapse_layers"
     assert f"{p}/rms_factor/L02/attn/mean" in scalars and f"{p}/c/L02/attn" in scalars
     assert not [t for t in scalars if re.match(rf"{p}/(rms_factor|c)/L\d\d/ffn", t)]
-    assert f"{p}/resid_norm/L02/ffn" in scalars and "collapse/summary/rms_factor/median" in scalars
+    assert f"{p}/resid_norm/L02/ffn" in scalars and "collapse/depth/rms_factor/mean" in scalars
 
     (tmp_path / "args.json").write_text(json.dumps({"norm_position": "hybrid", "qk_norm": False}))
     run = load_collapse_jsonl(tmp_path / JSONL_NAME)

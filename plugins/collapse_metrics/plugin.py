@@ -80,8 +80,8 @@ class CollapseMetricsPlugin(Plugin):
         g.add_argument("--collapse-at-init", action="store_true",
                        help="also measure a forward-only pass at step 0 (alpha and grad norms null)")
         g.add_argument("--collapse-image-interval", type=int, default=None, metavar="N",
-                       help="t_sim heatmap image every N measured steps (0: never; default: about "
-                       f"{HEATMAP_IMAGES} images per run)")
+                       help="depth-profile and heatmap images every N measured steps (0: never; default: "
+                       f"about {HEATMAP_IMAGES} per run)")
         defaults = TransitionConfig()
         g.add_argument("--collapse-transition-beta", type=float, default=defaults.beta,
                        help="EMA decay of the detector's mean/variance per measured step")
