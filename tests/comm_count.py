@@ -85,8 +85,8 @@ def install() -> None:
 
 def count_step(argv: list[str]) -> dict[str, Any]:
     """Train ``argv`` (megapost.pretrain's flags, on every rank of ``run_ranks``) and return the bytes
-    counted during optimizer step ``COUNTED_STEP``, with the rank's parameter count and the engine's
-    ZeRO stage and optimizer."""
+    counted during optimizer step ``COUNTED_STEP``, with the rank's parameter count, the engine's
+    ZeRO stage and optimizer, and the last step's loss."""
     import torch.distributed as dist
 
     from megapost.train.build import build
@@ -108,7 +108,7 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     try:
         trainer = build(prepare(argv))
         try:
-            trainer.train()
+            history = trainer.train()
         finally:
             trainer.close()
     finally:
@@ -117,7 +117,7 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     return {"payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
             "params": sum(p.numel() for p in engine.module.parameters()),
             "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
-            "rank": dist.get_rank()}
+            "rank": dist.get_rank(), "loss": history["train_loss"][max(history["train_loss"])]}
 
 
 MODEL = dict(vocab_size=256, num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,

@@ -26,6 +26,11 @@ GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
 DEFAULT_PEAK_NAME = "H100 SXM bf16 dense"
+SPEED_FLAGS = (  # the speed model's Cluster fields a flag sets (megapost/plan/throughput.py)
+    ("mfu_half_tokens", int, "tokens per micro-batch at which MFU reaches half of --mfu"),
+    ("intra_node_gbs", float, "GB/s per GPU inside a node (NVLink)"),
+    ("inter_node_gbs", float, "GB/s per GPU between nodes (the network)"),
+)
 TIE = 0.005  # layouts predicted within 0.5 % of the fastest are reported as tied
 
 
@@ -42,12 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
     g.add_argument("--mfu", type=float, default=0.4,
                    help="model FLOP utilisation of a large micro-batch (it saturates: docs/scaling.md)")
-    g.add_argument("--mfu-half-tokens", type=int, default=Cluster.mfu_half_tokens,
-                   help="tokens per micro-batch at which MFU reaches half of --mfu")
-    g.add_argument("--intra-node-gbs", type=float, default=Cluster.intra_node_gbs,
-                   help="GB/s per GPU inside a node (NVLink)")
-    g.add_argument("--inter-node-gbs", type=float, default=Cluster.inter_node_gbs,
-                   help="GB/s per GPU between nodes (the network)")
+    for field, kind, text in SPEED_FLAGS:
+        g.add_argument(f"--{field.replace('_', '-')}", type=kind, default=getattr(Cluster, field), help=text)
     g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
