@@ -57,3 +57,16 @@ def test_zero2_per_micro_batch_reduction_costs_across_nodes_not_inside_one() -> 
                            micro_batches=[1])
         z1, z2 = (_find(cands, tp=1, pp=1, zero_stage=z, checkpoint=False) for z in (1, 2))
         assert (z2.step_seconds < z1.step_seconds) == zero2_wins, (gpus, z1.time_parts, z2.time_parts)
+
+
+def test_tied_layouts_are_said(capsys) -> None:
+    """With a constant MFU (--mfu-half-tokens 0) on one GPU every micro-batch without checkpointing takes
+    the same time (5 micro-batches x bf16's ZeRO-1 and ZeRO-2): the planner says that these 10 tie
+    instead of implying a ranking."""
+    from megapost.plan.__main__ import main as plan_main
+
+    plan_main(["--preset", "tiny-cpu", "--gpus", "1", "--mfu-half-tokens", "0"])
+    assert "10 fitting layouts are predicted within 0.5% of it: the model does not rank them" in (
+        capsys.readouterr().out)
+    plan_main(["--preset", "tiny-cpu", "--gpus", "1"])  # MFU saturating: only ZeRO-1/2 of mb16 tie (DP1)
+    assert "  2 fitting layouts are predicted within 0.5%" in capsys.readouterr().out
