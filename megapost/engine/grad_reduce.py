@@ -36,7 +36,7 @@ def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model
                              dp_size: int = 1) -> list[str]:
     """Set the reduction keys of the DeepSpeed ``config`` as ``engine`` resolved them (stage, overlap:
     megapost.config.resolved.grad_reduction; keys the user's JSON set are kept); returns the start-up
-    notes, the last one the bytes this rank reduces per step (megapost.parallel.reduce_bytes)."""
+    notes, the last one (DP > 1) the bytes this rank reduces per step (megapost.parallel.reduce_bytes)."""
     zero = config.setdefault("zero_optimization", {})
     notes = list(engine.reduce_notes)
     if engine.grad_reduce_in_bf16:
@@ -56,5 +56,6 @@ def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reduced = dp_step_bytes(params, dp_size, zero["stage"], engine.grad_accum_steps, engine.bf16,
                             config.get("communication_data_type") == "bf16")
-    notes.append(describe(reduced, zero["stage"], engine.grad_accum_steps))
+    if reduced.reductions:  # one data-parallel rank: nothing reduced, nothing to say
+        notes.append(describe(reduced, zero["stage"], engine.grad_accum_steps))
     return notes

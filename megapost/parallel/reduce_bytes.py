@@ -67,9 +67,7 @@ def fewer_bytes_stage(dp: int, micro_batches: int, bf16: bool, reduce_in_bf16: b
 
 
 def describe(b: ReduceBytes, zero_stage: int, micro_batches: int) -> str:
-    """The start-up line's words for ``b``."""
-    if not b.reductions:
-        return "gradients: one data-parallel rank, nothing reduced"
+    """The start-up line's words for ``b`` (a data-parallel group of more than one rank)."""
     how = "every micro-batch" if b.reductions > 1 else "once per step"
     mb = f"{micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"
     return (f"gradients reduced {how} (ZeRO-{zero_stage}, {mb} per step): "
