@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from megapost.model.config import ModelConfig
+from megapost.parallel.reduce_bytes import fewer_bytes_stage
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ class EngineConfig:
     grad_accum_steps: int
     clip_grad: float
     bf16: bool
-    zero_stage: int  # as DeepSpeed runs it: --bf16 promotes 0 to 1, an overlapped bf16 reduction 1 to 2
+    zero_stage: int  # as DeepSpeed runs it: --bf16 promotes 0 to 1, an overlapped bf16 reduction of
+    # one micro-batch per step 1 to 2 (megapost.parallel.reduce_bytes.fewer_bytes_stage)
     overlap_grad_reduce: bool  # whether the run overlaps gradient reduction with backward
     grad_reduce_in_bf16: bool
     reduce_notes: tuple[str, ...]  # the start-up notes of these choices
@@ -167,14 +169,22 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
                      "reduces after the last micro-batch)")
         overlap = False
     if overlap and a.bf16 and zero == 1:
+        m = a.grad_accum_steps
         if "zero_stage" in a.explicit:
-            notes.append("--bf16 --zero-stage 1: gradients reduced after backward, not overlapped "
-                         "(DeepSpeed's bf16 ZeRO-1 optimizer); --zero-stage 2 overlaps them")
+            notes.append("--bf16 --zero-stage 1: gradients reduced once per step after backward, not "
+                         "overlapped (DeepSpeed's bf16 ZeRO-1 optimizer); --zero-stage 2 overlaps them")
             overlap = False
-        else:
+        elif fewer_bytes_stage(a.data_parallel_size, m, True, bool(a.grad_reduce_in_bf16)) == 2:
             zero = 2
-            notes.append("--overlap-grad-reduce with --bf16: ZeRO stage 2 (DeepSpeed's bf16 ZeRO-1 "
+            notes.append(f"--overlap-grad-reduce with --bf16, {m} micro-batch per step: ZeRO stage 2, "
+                         "overlapped (as many bytes as ZeRO-1's one reduction; DeepSpeed's bf16 ZeRO-1 "
                          "optimizer cannot overlap)")
+        else:
+            notes.append(f"--overlap-grad-reduce with --bf16, {m} micro-batches per step: ZeRO stage 1, "
+                         "gradients accumulated in fp32 and reduced once per step after the last "
+                         f"micro-batch, not overlapped (ZeRO-2 overlaps but reduces every micro-batch: "
+                         f"{m}x the gradient bytes); --zero-stage 2 to choose it")
+            overlap = False
     if overlap and zero == 0:
         notes.append("--overlap-grad-reduce: ZeRO stage 0 all-reduces after backward; "
                      "use --zero-stage 1 or 2")

@@ -1,16 +1,17 @@
-"""How data-parallel gradients are reduced: overlapped with backward (ZeRO-1/2 ``overlap_comm``), in
-contiguous buckets sized from the model, in fp32 unless ``--grad-reduce-in-bf16``.
+"""How data-parallel gradients are reduced: once per optimizer step where that moves fewer bytes,
+overlapped with backward (ZeRO-1/2 ``overlap_comm``) where DeepSpeed can, in contiguous buckets sized
+from the model, in fp32 unless ``--grad-reduce-in-bf16``.
 
 DeepSpeed routes ``--bf16`` at ZeRO stage 1 with fp32 accumulation to its BF16 optimizer, which
-all-reduces every gradient in one bucketed pass after the last micro-batch's backward: nothing
-overlaps. Its ZeRO optimizer (stage 2 for bf16; 1 or 2 for fp32) reduces a bucket from inside the
-backward hooks as soon as it fills (stage 1: on the last micro-batch of a step), with fp32
-accumulation of bf16 gradients (``grad_accum_dtype``). So overlapping a bf16 run means stage 2, which
-also partitions the gradients (less memory, the same update). That choice (stage, overlap, notes) is
-made when the configuration is resolved (megapost.config.resolved.grad_reduction); this module applies
-it to DeepSpeed's config.
+accumulates every micro-batch's gradients in fp32 and all-reduces them once, in one bucketed pass
+after the last micro-batch's backward: nothing overlaps. Its ZeRO optimizer reduces a bucket from
+inside the backward hooks as soon as it fills: at stage 1 (fp32) only on the last micro-batch of a
+step, at stage 2 on every micro-batch (m times the bytes of one reduction). So a bf16 run reduces
+once per step at ZeRO-1 and overlaps at ZeRO-2 only where that costs no more bytes (one micro-batch
+per step: megapost.parallel.reduce_bytes). That choice (stage, overlap, notes) is made when the
+configuration is resolved (megapost.config.resolved.grad_reduction); this module applies it to
+DeepSpeed's config, and names the bytes reduced per step at start-up.
 """
-
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from megapost.config.resolved import EngineConfig
+from megapost.parallel.reduce_bytes import describe, dp_step_bytes
 
 MEGATRON_BUCKET = 40_000_000  # Megatron-LM's DDP bucket (elements)
 MIN_BUCKETS = 8  # a model smaller than 8 Megatron buckets is still cut into 8, so reduction overlaps
@@ -30,10 +32,11 @@ def bucket_elements(model: nn.Module) -> int:
     return max(1, min(MEGATRON_BUCKET, math.ceil(total / MIN_BUCKETS)))
 
 
-def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model: nn.Module) -> list[str]:
+def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model: nn.Module,
+                             dp_size: int = 1) -> list[str]:
     """Set the reduction keys of the DeepSpeed ``config`` as ``engine`` resolved them (stage, overlap:
     megapost.config.resolved.grad_reduction; keys the user's JSON set are kept); returns the start-up
-    notes."""
+    notes, the last one (DP > 1) the bytes this rank reduces per step (megapost.parallel.reduce_bytes)."""
     zero = config.setdefault("zero_optimization", {})
     notes = list(engine.reduce_notes)
     if engine.grad_reduce_in_bf16:
@@ -50,4 +53,9 @@ def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model
         notes.append(f"gradient reduction overlapped with backward (ZeRO-{zero['stage']}, buckets of "
                      f"{zero['reduce_bucket_size']:,} elements, "
                      f"{config.get('communication_data_type', 'fp32')})")
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reduced = dp_step_bytes(params, dp_size, zero["stage"], engine.grad_accum_steps, engine.bf16,
+                            config.get("communication_data_type") == "bf16")
+    if reduced.reductions:  # one data-parallel rank: nothing reduced, nothing to say
+        notes.append(describe(reduced, zero["stage"], engine.grad_accum_steps))
     return notes

@@ -20,11 +20,18 @@ from megapost.plan import precision_from_ds_config
 from megapost.plan.collapse_risk import collapse_risk, load_boundary
 from megapost.plan.counts import parameter_counts
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
+from megapost.plan.throughput import Cluster
 
 GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense
 DEFAULT_PEAK_NAME = "H100 SXM bf16 dense"
+SPEED_FLAGS = (  # the speed model's Cluster fields a flag sets (megapost/plan/throughput.py)
+    ("mfu_half_tokens", int, "tokens per micro-batch at which MFU reaches half of --mfu"),
+    ("intra_node_gbs", float, "GB/s per GPU inside a node (NVLink)"),
+    ("inter_node_gbs", float, "GB/s per GPU between nodes (the network)"),
+)
+TIE = 0.005  # layouts predicted within 0.5 % of the fastest are reported as tied
 
 
 DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
@@ -38,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU, GiB")
     g.add_argument("--memory-margin", type=float, default=0.10,
                    help="fraction of GPU memory kept free (CUDA context, NCCL, allocator fragmentation)")
-    g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation to predict speed at")
+    g.add_argument("--mfu", type=float, default=0.4,
+                   help="model FLOP utilisation of a large micro-batch (it saturates: docs/scaling.md)")
+    for field, kind, text in SPEED_FLAGS:
+        g.add_argument(f"--{field.replace('_', '-')}", type=kind, default=getattr(Cluster, field), help=text)
     g.add_argument("--norm-kernel", choices=["fused", "apex"], default="fused",
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
@@ -55,6 +65,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     resolve_norm_position(args, argv)  # the trainer's default: Pre-Norm for Megatron model flags
     if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
+    if args.mfu_half_tokens < 0 or args.intra_node_gbs <= 0 or args.inter_node_gbs <= 0:
+        raise ConfigError("--mfu-half-tokens must be >= 0 and --intra-node-gbs, --inter-node-gbs > 0")
     return args
 
 
@@ -79,12 +91,13 @@ def _user_ds_config(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
 
 
-def _row(c: Candidate) -> dict[str, object]:
+def _row(c: Candidate, flops_per_token: float, peak_tflops: float) -> dict[str, object]:
     w = c.worst()
+    mfu = c.tokens_per_second * flops_per_token / (c.layout.gpus * peak_tflops * 1e12)
     return {"layout": c.layout.__dict__, "label": c.layout.label(), "fits": c.fits, "peak_gb": c.peak / GiB,
             "worst_stage": w.stage, "memory_gb": {k: getattr(w, k) / GiB for k in COMPONENTS},
-            "step_seconds": c.step_seconds, "tokens_per_second": c.tokens_per_second,
-            "comm_gb_per_gpu": c.comm_bytes / GiB}
+            "step_seconds": c.step_seconds, "tokens_per_second": c.tokens_per_second, "mfu": mfu,
+            "comm_gb_per_gpu": c.comm_bytes / GiB, "seconds_by_cause": c.time_parts}
 
 
 # layout flags of the trainer the planner takes as constraints when typed: (dest, Layout field)
@@ -114,14 +127,20 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
     peak_source = ("--peak-tflops" if args.peak_tflops
                    else f"default: {DEFAULT_PEAK_NAME}; --peak-tflops to set")
-    cands = candidates(cfg, args.gpus, args.global_batch_size, prec, gpus_per_node=args.gpus_per_node,
-                       memory_bytes=args.gpu_memory_gb * GiB, margin=args.memory_margin, peak_tflops=peak,
-                       mfu=args.mfu, clip_grad=args.clip_grad,
+    cluster = Cluster(peak, args.mfu, args.mfu_half_tokens, args.gpus_per_node, args.intra_node_gbs,
+                      args.inter_node_gbs)
+    cands = candidates(cfg, args.gpus, args.global_batch_size, prec, memory_bytes=args.gpu_memory_gb * GiB,
+                       cluster=cluster, margin=args.memory_margin, clip_grad=args.clip_grad,
+                       reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
     cands = [c for c in cands if _allowed(c.layout, args)]
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
+
+    def row(c: Candidate) -> dict[str, object]:
+        return _row(c, cfg.flops_per_token(), peak)
+
     return {
         "model": {"preset": args.preset, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "ffn_hidden_size": cfg.ffn_hidden_size, "heads": cfg.num_attention_heads,
@@ -132,11 +151,14 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                     "gpu_memory_gb": args.gpu_memory_gb,
                     "usable_gb": args.gpu_memory_gb * (1 - args.memory_margin), "peak_tflops": peak,
                     "peak_source": peak_source,
-                    "mfu": args.mfu, "precision": "fp32" if args.fp32 else "bf16",
+                    "mfu": args.mfu, "mfu_half_tokens": args.mfu_half_tokens,
+                    "intra_node_gbs": args.intra_node_gbs, "inter_node_gbs": args.inter_node_gbs,
+                    "precision": "fp32" if args.fp32 else "bf16",
                     "global_batch_size": args.global_batch_size},
-        "candidates": len(cands), "fitting": [_row(c) for c in fitting],
-        "not_fitting": [_row(c) for c in cands if not c.fits],
-        "recommended": _row(best) if best else None,
+        "candidates": len(cands), "fitting": [row(c) for c in fitting],
+        "not_fitting": [row(c) for c in cands if not c.fits],
+        "recommended": row(best) if best else None,
+        "ties": sum(1 for c in fitting if c.step_seconds <= best.step_seconds * (1 + TIE)) if best else 0,
         "collapse_risk": collapse_risk(*load_boundary(args.collapse_boundary), args.norm_position,
                                        cfg.hidden_size, cfg.num_layers, args.lr, args.lr_warmup_iters),
     }
@@ -153,7 +175,10 @@ def render(result: dict, top: int) -> str:
         f"FLOPs per token (fwd+bwd): {result['flops_per_token'] / 1e9:.2f} GFLOP",
         f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
         f"({c['usable_gb']:.1f} usable), {c['precision']}, global batch {c['global_batch_size']} x "
-        f"{m['seq_length']}, {c['peak_tflops']:g} TFLOP/s peak ({c['peak_source']}) at MFU {c['mfu']:.2f}",
+        f"{m['seq_length']}, {c['peak_tflops']:g} TFLOP/s peak ({c['peak_source']})",
+        f"speed model: MFU {c['mfu']:.2f} x T/(T + {c['mfu_half_tokens']}) at T tokens per micro-batch, "
+        f"links {c['intra_node_gbs']:g} GB/s in a node, {c['inter_node_gbs']:g} between nodes, exposed "
+        "communication and the pipeline bubble added (docs/scaling.md)",
         f"{len(result['fitting'])} of {result['candidates']} layouts fit; fastest first "
         "(GiB per GPU, worst stage):",
         f"  {'layout':40s} {'weights':>7s} {'grads':>7s} {'optim':>7s} {'activ':>7s} {'buffers':>7s} "
@@ -168,7 +193,10 @@ def render(result: dict, top: int) -> str:
     if best:
         lines.append(f"recommended: {best['label']} -> {best['peak_gb']:.1f} GiB/GPU, "
                      f"{best['step_seconds']:.3g} s/step, {best['tokens_per_second']:,.0f} tokens/s "
-                     f"at MFU {c['mfu']:.2f}")
+                     f"at MFU {best['mfu']:.2f}")
+        if result["ties"] > 1:
+            lines.append(f"  {result['ties']} fitting layouts are predicted within {TIE:.1%} of it: the "
+                         "model does not rank them")
     else:
         lines.append("recommended: none fits; add GPUs, lower --micro-batch/--seq-length, or use more memory")
     lines.append(result["collapse_risk"]["line"])

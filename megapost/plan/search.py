@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from megapost.model import ModelConfig
 from megapost.parallel.layout import layout_errors
-from megapost.plan.counts import parameter_counts
+from megapost.parallel.reduce_bytes import dp_step_bytes
+from megapost.plan.counts import stage_parameters
 from megapost.plan.memory import Layout, Precision, RankMemory, rank_memory
+from megapost.plan.throughput import Cluster, step_parts
 
 
 @dataclass
@@ -19,6 +21,7 @@ class Candidate:
     step_seconds: float
     tokens_per_second: float
     comm_bytes: float  # per GPU per step: TP all-reduces, PP sends, DP gradient reduction
+    time_parts: dict[str, float] = field(default_factory=dict)  # seconds by cause (plan.throughput)
     notes: list[str] = field(default_factory=list)
 
     def worst(self) -> RankMemory:
@@ -29,46 +32,39 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, peak_tflops: float, mfu: float) -> float:
-    """Seconds per optimizer step: the step's model FLOPs (plus a block forward per checkpointed
-    block) at ``mfu`` of ``peak_tflops`` on every GPU, stretched by the 1F1B bubble (pp-1)/m."""
-    tokens = global_batch * cfg.seq_length
-    flops = cfg.flops_per_token() * tokens
-    if layout.checkpoint:  # recompute = the blocks' forward, a third of their training FLOPs
-        flops += (cfg.flops_per_token() - 6.0 * cfg.hidden_size * cfg.vocab_size) / 3 * tokens
-    seconds = flops / (layout.gpus * peak_tflops * 1e12 * mfu)
-    return seconds * (1 + (layout.pp - 1) / layout.grad_accum)
-
-
-def comm_bytes(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool) -> float:
+def comm_bytes(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool,
+               reduce_in_bf16: bool = False) -> float:
     """Per-GPU bytes sent per step, ring collectives (an all-reduce sends 2(n-1)/n of its buffer, a
     reduce-scatter or all-gather (n-1)/n): TP's four all-reduces (or SP's gather/scatter pairs) of
     [b, s, h] per block, forward and backward; PP's activations and gradients between stages; DP's
-    gradient reduction (fp32 all-reduce under ZeRO-0/1, bf16 reduce-scatter under bf16 ZeRO-2) and,
-    with ZeRO >= 1, the all-gather of updated weights."""
+    gradient reduction and weight all-gather on the most loaded stage, as DeepSpeed does it per ZeRO
+    stage (megapost.parallel.reduce_bytes: once per step at ZeRO-0/1, every micro-batch at ZeRO-2)."""
+    return sum(comm_parts(cfg, layout, global_batch, bf16, reduce_in_bf16).values())
+
+
+def comm_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool,
+               reduce_in_bf16: bool = False) -> dict[str, float]:
+    """``comm_bytes`` by parallelism: {"tp", "pp", "dp"}."""
     lay, e = layout, 2 if bf16 else 4
     tokens_rank = global_batch // lay.dp * cfg.seq_length
     layers = cfg.num_layers / lay.pp
     tp = 4 * layers * tokens_rank * cfg.hidden_size * e * 2 * (lay.tp - 1) / lay.tp
     sent = 2 * tokens_rank * cfg.hidden_size * e / (lay.tp if lay.sequence_parallel else 1)
     pp = sent if lay.pp > 1 else 0.0
-    params = parameter_counts(cfg).total / (lay.tp * lay.pp)
-    ring = (lay.dp - 1) / lay.dp
-    if lay.zero_stage == 2:
-        dp = params * e * ring + params * e * ring
-    else:
-        dp = 2 * params * 4 * ring + (params * e * ring if lay.zero_stage == 1 else 0)
-    return tp + pp + dp
+    params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
+    dp = dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16, reduce_in_bf16).total
+    return {"tp": tp, "pp": pp, "dp": dp}
 
 
-def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, *, gpus_per_node: int = 8,
-               memory_bytes: float, margin: float = 0.10, peak_tflops: float = 989.0, mfu: float = 0.4,
-               clip_grad: float = 1.0, micro_batches: list[int] | None = None,
-               checkpoint_num_layers: int = 1) -> list[Candidate]:
+def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, *, memory_bytes: float,
+               cluster: Cluster | None = None, margin: float = 0.10, clip_grad: float = 1.0,
+               micro_batches: list[int] | None = None, checkpoint_num_layers: int = 1,
+               reduce_in_bf16: bool = False) -> list[Candidate]:
     """Every layout megapost can run on ``gpus`` GPUs, with its memory and predicted speed."""
     out: list[Candidate] = []
+    cluster = cluster or Cluster()
     usable = memory_bytes * (1 - margin)
-    for tp in [t for t in _divisors(gpus) if t <= min(8, gpus_per_node)]:
+    for tp in [t for t in _divisors(gpus) if t <= min(8, cluster.gpus_per_node)]:
         for pp in [p for p in _divisors(gpus // tp) if p <= cfg.num_layers]:
             dp = gpus // (tp * pp)
             sp = tp > 1
@@ -88,10 +84,11 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                         lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers)
                         stages = rank_memory(cfg, lay, prec)
                         peak = max(m.peak for m in stages)
-                        t = step_time(cfg, lay, global_batch, peak_tflops, mfu)
+                        comm = comm_parts(cfg, lay, global_batch, prec.bf16, reduce_in_bf16)
+                        parts = step_parts(cfg, lay, global_batch, prec.bf16, cluster, comm)
+                        t = sum(parts.values())
                         out.append(Candidate(lay, stages, peak, peak <= usable, t,
-                                             global_batch * cfg.seq_length / t,
-                                             comm_bytes(cfg, lay, global_batch, prec.bf16)))
+                                             global_batch * cfg.seq_length / t, sum(comm.values()), parts))
     return out
 
 

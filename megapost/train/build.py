@@ -99,7 +99,7 @@ def build_engine(config: Config, user_ds: dict[str, Any], model: torch.nn.Module
     optimizer = build_optimizer(model, config.optimizer)
     scheduler = build_schedule(optimizer, config.optimizer)
     ds_config = build_ds_config(config.engine, user_ds)
-    reduce_notes = configure_grad_reduction(ds_config, config.engine, model)
+    reduce_notes = configure_grad_reduction(ds_config, config.engine, model, pstate.dp_size)
     for key, value in deepspeed_config_overrides(pstate).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
     errors = deepspeed_config_errors(pstate, ds_config)

@@ -1,0 +1,95 @@
+"""The planner's speed model: seconds per optimizer step of a layout, from its compute at a micro-batch
+dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/scaling.md).
+
+    step = compute * (1 + (pp - 1) / m) + exposed communication
+
+- compute: the step's model FLOPs (plus a block forward per checkpointed block) / (GPUs * peak *
+  MFU(T)), where MFU saturates in the tokens of a micro-batch, T = b * s:
+  MFU(T) = mfu * T / (T + T_half) (``--mfu`` is the saturated value; ``--mfu-half-tokens`` T_half, the
+  micro-batch at which half of it is reached: small GEMMs leave a GPU idle);
+- the 1F1B bubble (pp - 1) / m, m micro-batches per step;
+- communication (megapost.plan.search.comm_parts: bytes per GPU on a ring) at the bandwidth of the
+  group's links: NVLink inside a node (``--intra-node-gbs``), the network between nodes
+  (``--inter-node-gbs``); a group lies inside a node when its ranks' span does (megapost's rank order:
+  TP fastest, then DP, then PP). TP's all-reduces and PP's sends are on the critical path. The
+  data-parallel reduction is hidden behind backward where DeepSpeed overlaps it (ZeRO-2, and fp32
+  ZeRO-1, ``overlap_comm``; not under a pipeline): only what exceeds the backward it overlaps
+  (every micro-batch's at ZeRO-2, the last one's at ZeRO-1) shows, plus the weight all-gather after
+  the step; the bf16 ZeRO-1 and ZeRO-0 reductions run after backward, all of it exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapost.model import ModelConfig
+from megapost.parallel.reduce_bytes import dp_step_bytes
+from megapost.plan.counts import stage_parameters
+from megapost.plan.memory import Layout
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the speed model needs of the machines."""
+
+    peak_tflops: float = 989.0
+    mfu: float = 0.4  # saturated MFU (large micro-batches)
+    mfu_half_tokens: int = 256  # tokens per micro-batch at which MFU is half of ``mfu``
+    gpus_per_node: int = 8
+    intra_node_gbs: float = 450.0  # NVLink, GB/s per GPU per direction (H100 SXM: 900 both ways)
+    inter_node_gbs: float = 50.0  # the network, GB/s per GPU (400 Gb/s InfiniBand per GPU)
+
+
+def micro_batch_mfu(cluster: Cluster, tokens: int) -> float:
+    """MFU at ``tokens`` per micro-batch (module docstring)."""
+    return cluster.mfu * tokens / (tokens + cluster.mfu_half_tokens)
+
+
+def step_flops(cfg: ModelConfig, layout: Layout, global_batch: int) -> float:
+    """Model FLOPs of a step, plus the blocks' recomputed forward under activation checkpointing."""
+    tokens = global_batch * cfg.seq_length
+    flops = cfg.flops_per_token() * tokens
+    if layout.checkpoint:  # recompute = the blocks' forward, a third of their training FLOPs
+        flops += (cfg.flops_per_token() - 6.0 * cfg.hidden_size * cfg.vocab_size) / 3 * tokens
+    return flops
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
+    return (cluster.intra_node_gbs if span <= cluster.gpus_per_node else cluster.inter_node_gbs) * GB
+
+
+def dp_overlapped(layout: Layout, bf16: bool) -> bool:
+    """Whether DeepSpeed overlaps this layout's data-parallel reduction with backward (as the trainer
+    configures it on GPUs, megapost.config.resolved.grad_reduction)."""
+    return layout.pp == 1 and layout.dp > 1 and (layout.zero_stage >= 2 or (layout.zero_stage == 1
+                                                                            and not bf16))
+
+
+def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, cluster: Cluster,
+               comm: dict[str, float]) -> dict[str, float]:
+    """Seconds of a step by cause: compute, bubble, tp, pp, dp (exposed); ``comm``: bytes per GPU
+    (megapost.plan.search.comm_parts)."""
+    lay = layout
+    mfu = micro_batch_mfu(cluster, lay.micro_batch * cfg.seq_length)
+    compute = step_flops(cfg, lay, global_batch) / (lay.gpus * cluster.peak_tflops * 1e12 * mfu)
+    bubble = compute * (lay.pp - 1) / lay.grad_accum
+    tp = comm["tp"] / _bandwidth(cluster, lay.tp) if lay.tp > 1 else 0.0
+    pp = comm["pp"] / _bandwidth(cluster, lay.tp * lay.dp * lay.pp) if lay.pp > 1 else 0.0
+    dp_bw = _bandwidth(cluster, lay.tp * lay.dp)
+    dp = comm["dp"] / dp_bw
+    if dp_overlapped(lay, bf16):
+        params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
+        b = dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16)
+        backward = 2 / 3 * compute / lay.grad_accum  # one micro-batch's backward
+        per_reduction = b.gradients / b.reductions / dp_bw
+        dp = b.reductions * max(0.0, per_reduction - backward) + b.gather / dp_bw
+    return {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+
+
+def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, cluster: Cluster,
+              comm: dict[str, float]) -> float:
+    """Seconds per optimizer step: the sum of ``step_parts``."""
+    return sum(step_parts(cfg, layout, global_batch, bf16, cluster, comm).values())

@@ -1,0 +1,72 @@
+"""The planner's speed model depends on the layout: a saturating MFU in tokens per micro-batch, the
+pipeline bubble and the communication it cannot hide (megapost/plan/throughput.py, docs/scaling.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megapost.model import ModelConfig
+from megapost.plan.memory import Precision
+from megapost.plan.search import candidates
+from megapost.plan.throughput import Cluster
+
+CFG = ModelConfig(vocab_size=1024, num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
+                  seq_length=128)
+CLUSTER = Cluster(peak_tflops=100.0, mfu=0.5, mfu_half_tokens=256, gpus_per_node=8, intra_node_gbs=100.0,
+                  inter_node_gbs=10.0)
+
+
+def _find(cands, **want):
+    return next(c for c in cands if all(getattr(c.layout, k) == v for k, v in want.items()))
+
+
+def test_step_time_by_hand_at_dp2_bf16_zero1() -> None:
+    """DP2, micro-batch 4 (512 tokens), 2 per step, bf16 ZeRO-1: compute at MFU 0.5 x 512/768, then the
+    reduction after backward, all exposed: a fp32 all-reduce of 4P bytes sends 2 (n-1)/n 4P = 4P, the
+    bf16 weight all-gather (n-1)/n 2P = P, at 100 GB/s."""
+    cands = candidates(CFG, 2, 16, Precision(bf16=True), memory_bytes=80 * 2**30, cluster=CLUSTER,
+                       micro_batches=[4])
+    c = _find(cands, zero_stage=1, checkpoint=False)
+    params = CFG.num_parameters()
+    compute = CFG.flops_per_token() * 16 * 128 / (2 * 100e12 * 0.5 * 512 / (512 + 256))
+    assert c.step_seconds == pytest.approx(compute + 5 * params / 100e9, rel=1e-9)
+
+
+def test_micro_batch_efficiency_and_bubble_rank_layouts() -> None:
+    """One GPU: a larger micro-batch is faster (MFU saturates); PP4 pays the 1F1B bubble (pp-1)/m."""
+    one = candidates(CFG, 1, 16, Precision(bf16=False), memory_bytes=80 * 2**30, cluster=CLUSTER)
+    t = {c.layout.micro_batch: c.step_seconds for c in one if not c.layout.checkpoint}
+    assert t[1] > t[2] > t[4] > t[8] > t[16]
+    assert t[1] / t[16] == pytest.approx((128 + 256) / 128 * 2048 / (2048 + 256), rel=1e-9)
+    pp = candidates(CFG, 4, 16, Precision(bf16=True), memory_bytes=80 * 2**30, cluster=CLUSTER,
+                    micro_batches=[1])
+    c = _find(pp, pp=4, checkpoint=False)
+    assert c.time_parts["bubble"] == pytest.approx(c.time_parts["compute"] * 3 / 16, rel=1e-9)
+
+
+def test_zero2_per_micro_batch_reduction_costs_across_nodes_not_inside_one() -> None:
+    """llama-7b, micro-batch 1, 16 per step: inside a node (DP8, NVLink) ZeRO-2's reduction of every
+    micro-batch hides behind backward; across nodes (DP64) it does not, and ZeRO-1's one reduction per
+    step wins, as the trainer resolves it."""
+    from megapost.plan.__main__ import model_config, parse
+
+    cfg = model_config(parse(["--preset", "llama-7b", "--gpus", "8"]))
+    h100 = Cluster()
+    for gpus, zero2_wins in ((8, True), (64, False)):
+        cands = candidates(cfg, gpus, 16 * gpus, Precision(bf16=True), memory_bytes=1e15, cluster=h100,
+                           micro_batches=[1])
+        z1, z2 = (_find(cands, tp=1, pp=1, zero_stage=z, checkpoint=False) for z in (1, 2))
+        assert (z2.step_seconds < z1.step_seconds) == zero2_wins, (gpus, z1.time_parts, z2.time_parts)
+
+
+def test_tied_layouts_are_said(capsys) -> None:
+    """With a constant MFU (--mfu-half-tokens 0) on one GPU every micro-batch without checkpointing takes
+    the same time (5 micro-batches x bf16's ZeRO-1 and ZeRO-2): the planner says that these 10 tie
+    instead of implying a ranking."""
+    from megapost.plan.__main__ import main as plan_main
+
+    plan_main(["--preset", "tiny-cpu", "--gpus", "1", "--mfu-half-tokens", "0"])
+    assert "10 fitting layouts are predicted within 0.5% of it: the model does not rank them" in (
+        capsys.readouterr().out)
+    plan_main(["--preset", "tiny-cpu", "--gpus", "1"])  # MFU saturating: only ZeRO-1/2 of mb16 tie (DP1)
+    assert "  2 fitting layouts are predicted within 0.5%" in capsys.readouterr().out
