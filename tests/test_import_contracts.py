@@ -46,6 +46,8 @@ def test_contracts_kept() -> None:
      "collapse_metrics imports nothing of megapost but megapost.plugin_api"),
     ("megapost/engine/schedule.py", "import megapost.checkpoint.io",
      "engine never imports checkpoint or train"),
+    ("megapost/ds_adapter/fragments.py", "import megapost.utils.atomic",
+     "ds_adapter (DeepSpeed private API) imports nothing of megapost"),
 ])
 def test_a_bad_import_breaks_its_contract(tree_copy: Path, module: str, bad_import: str,
                                           contract: str) -> None:
