@@ -164,7 +164,7 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
     kv_heads = kv_groups_per_rank(cfg, tp) if tp > 1 else kv_groups(cfg)
-    kv = kv_heads * cfg.head_dim
+    kv = (a // tp if e == 4 else kv_heads) * cfg.head_dim  # fp32 GQA: SDPA keeps the repeated K/V
     attn_rule, ffn_rule = cfg.rules(layer_number)
     norms = sum(int(r.norm_input is not None) + int(r.output_norm) for r in (attn_rule, ffn_rule))
     sublayers = norms * stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) + 2 * e * t_all * h
