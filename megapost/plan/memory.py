@@ -313,3 +313,15 @@ def _largest_tensor(cfg: ModelConfig, tp: int, stage: int, pp: int) -> int:
 def rank_memory(cfg: ModelConfig, layout: Layout, prec: Precision) -> list[RankMemory]:
     """Every pipeline stage's per-rank memory."""
     return [stage_memory(cfg, layout, prec, stage) for stage in range(layout.pp)]
+
+
+ASYNC_SAVE_BYTES_PER_PARAMETER = 12  # fp32 master + Adam's two fp32 moments (checkpoint/sharded.py)
+
+
+def async_save_host_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """Host memory ``--async-save`` holds per rank between saves (checkpoint/sharded.py ``HostPool``:
+    one flat buffer, pinned on CUDA): the fp32 master and two moments of what the rank writes — its
+    ZeRO partition, or at ZeRO-0 its whole TP/PP shard on data-parallel rank 0 — on the largest stage."""
+    params = max(stage_parameters(cfg, layout.tp, layout.pp, s) for s in range(layout.pp))
+    owned = params if layout.zero_stage == 0 else -(-params // layout.dp)
+    return ASYNC_SAVE_BYTES_PER_PARAMETER * owned
