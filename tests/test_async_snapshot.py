@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from megapost.checkpoint import sharded
@@ -88,3 +89,31 @@ def test_one_flat_host_buffer_per_rank_sized_exactly_and_reused() -> None:
     assert torch.equal(bufs[0], a) and torch.equal(bufs[1], b) and bufs[2].item() == 2.5
     again = pool.snapshot(files)
     assert again.files.files[0][1][0][1].untyped_storage().data_ptr() == base  # reused, not reallocated
+
+
+@pytest.mark.slow  # a real trainer, two steps and an async save: ~20 s on 2 busy cores
+def test_async_save_buffer_is_allocated_before_the_first_save_and_reused_by_it(tmp_path) -> None:
+    import argparse
+    import sys
+
+    from launch_utils import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_common import build_trainer
+
+    from megapost.checkpoint import saver
+    from megapost.runtime.distributed import process_group_scope
+
+    b = argparse.Namespace(layers=1, hidden=32, seq=16, micro=2, accum=1, vocab=64)
+    with process_group_scope():
+        trainer, _, _ = build_trainer(b, ["--save", str(tmp_path), "--save-interval", "0", "--async-save"])
+        saver._POOL._flat = None
+        trainer.train_step(1)
+        assert saver._POOL.nbytes == 0  # no moments yet: nothing to size
+        trainer.train_step(2)
+        reserved = saver._POOL._flat
+        assert reserved is not None and saver._POOL.nbytes > 0
+        trainer.save()
+        trainer.checkpoints.wait()
+        assert saver._POOL._flat is reserved  # the save used the buffer allocated before it
+        trainer.close()

@@ -227,3 +227,14 @@ def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_stat
     except OSError as e:
         raise _error(e, job) from None
     return tag
+
+
+def reserve_host(engine: Any, config: Config, plugin_states: dict[str, Any], pstate: Any) -> int:
+    """--async-save: allocate this rank's flat host buffer (``sharded.HostPool``) now, sized for the
+    files a save would write, so the first save does not pay for it; returns its bytes. Call once the
+    optimizer's moments exist (after the first optimizer step); a later save re-sizes only if its files
+    differ (e.g. a plugin's state grew)."""
+    run = io.RunLayout.of(config.flags)
+    client = {"iteration": 0, "consumed_train_samples": 0, "rng": io.rng_state(), "plugins": plugin_states,
+              "args": {}}
+    return _POOL.reserve(sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)).numel()
