@@ -1,59 +1,133 @@
 #!/usr/bin/env bash
-# One command on a bare GPU machine with a CUDA torch: installs what is missing (from the package index,
-# or from wheels/ when offline: `bash benchmarks/gpu.sh --build-wheels` on a networked machine), then
-# runs benchmarks/gpu_suite.py: paper-180m bf16 eager and --compile (tokens/s, MFU, peak memory vs the
+# One command on a bare GPU machine: finds python3, uses the active venv (or conda env) or creates
+# .venv-gpu (with the system's site packages, so a CUDA torch already there serves), installs what is
+# missing -- torch (the CUDA build from the package index), DeepSpeed and the rest (or from wheels/
+# when offline: `bash benchmarks/gpu.sh --build-wheels` on a networked machine), megapost itself
+# (`pip install -e .` of this clone, which registers the collapse_metrics plugin) -- then runs
+# benchmarks/gpu_suite.py: paper-180m bf16 eager and --compile (tokens/s, MFU, peak memory vs the
 # planner), 1.3B- and 7B-width slices (seq 4096, GQA 8, with/without activation checkpointing), the
-# collapse_metrics overhead at intervals 1 and 10, a host-sync audit, the top kernels and the bare-PyTorch
-# step on the same GPU; one JSON (gpu_suite.json) and a short table. About 5 min on one H200.
+# collapse_metrics overhead at intervals 1 and 10, a host-sync audit, the top kernels by self time, the
+# bare-PyTorch step and --async-save. Each case runs on its own: a failing case is a row with its error,
+# the JSON (gpu_suite.json) is rewritten after every case, and a case that kills the process is recorded
+# and the suite restarted after it. About 5 min on one H200.
 #
-#   bash benchmarks/gpu.sh [--steps 20] [--peak-tflops 989] [--out gpu_suite.json]
-#   bash benchmarks/gpu.sh --dry-run        # the whole script on CPU with tiny shapes (CI)
+#   bash benchmarks/gpu.sh [--steps 20] [--peak-tflops 989] [--out gpu_suite.json] [--venv DIR]
+#   bash benchmarks/gpu.sh --dry-run        # the whole script on CPU with tiny shapes (CI); CPU torch
 #   bash benchmarks/gpu.sh --build-wheels [--python-version 3.11]
+# Environment: PYTHON (the interpreter to start from), TORCH (the torch requirement to install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=20 PEAK=0 OUT=gpu_suite.json DRY=0 PYVER=$(python -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-BUILD=0
+STEPS=20 PEAK=0 OUT=gpu_suite.json DRY=0 BUILD=0 PYVER="" VENV=.venv-gpu SUITE_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
     --peak-tflops) PEAK=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --venv) VENV=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
+    --inject-failure) SUITE_ARGS+=(--inject-failure "$2"); shift 2 ;;
     --build-wheels) BUILD=1; shift ;;
     --python-version) PYVER=$2; shift 2 ;;
     *) echo "error: benchmarks/gpu.sh: unknown flag $1 (see the header of benchmarks/gpu.sh)" >&2; exit 2 ;;
   esac
 done
+say() { echo "gpu.sh: $*"; }
+die() { echo "error: benchmarks/gpu.sh: $*" >&2; exit 1; }
+
+# 1. An interpreter: $PYTHON, the active venv/conda env, else python3 (never a bare `python`).
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then PY=$VIRTUAL_ENV/bin/python
+elif [ -n "${CONDA_PREFIX:-}" ] && [ -x "$CONDA_PREFIX/bin/python" ]; then PY=$CONDA_PREFIX/bin/python
+else
+  command -v python3 >/dev/null || die "no python3 on PATH; install Python >= 3.10 or set PYTHON=/path/to/python3"
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV (python3 -m venv --system-site-packages)"
+    python3 -m venv --system-site-packages "$VENV" ||
+      die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv), or activate a venv first"
+  fi
+  PY=$VENV/bin/python
+fi
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' ||
+  die "$PY is Python $("$PY" -V 2>&1); megapost needs >= 3.10 (set PYTHON=/path/to/python3.11)"
+"$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip --upgrade >/dev/null ||
+  die "$PY has no pip and ensurepip failed; install pip for it (apt-get install python3-pip)"
+PIP=("$PY" -m pip install --disable-pip-version-check)
+[ -n "$PYVER" ] || PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+say "python $PY ($("$PY" -V 2>&1))"
+
 # Pure-Python or manylinux wheels DeepSpeed and megapost import that a CUDA torch does not bring.
 DEPS="hjson msgpack ninja psutil py-cpuinfo pydantic pydantic-core annotated-types typing-extensions
 typing-inspection einops tqdm packaging numpy sentencepiece safetensors tensorboard tensorboard-data-server
 grpcio protobuf absl-py markdown werkzeug markupsafe six setuptools pillow matplotlib contourpy cycler
 fonttools kiwisolver pyparsing python-dateutil"
-
 if [ "$BUILD" = 1 ]; then
   mkdir -p wheels
-  DS_BUILD_OPS=0 pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w wheels/
+  DS_BUILD_OPS=0 "$PY" -m pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w wheels/
   # shellcheck disable=SC2086
-  pip download --only-binary=:all: --no-deps --python-version "$PYVER" --platform manylinux2014_x86_64 \
+  "$PY" -m pip download --only-binary=:all: --no-deps --python-version "$PYVER" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d wheels/ $DEPS
   du -sh wheels/; exit 0
 fi
 
-if [ "$DRY" = 0 ]; then
-  python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "error: benchmarks/gpu.sh needs a CUDA torch and a GPU (torch.cuda.is_available() is False); --dry-run runs it on CPU")'
-fi
-if ! python -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors' 2>/dev/null; then
-  if ls wheels/deepspeed-*.whl >/dev/null 2>&1; then  # offline: the carried wheels
-    pip install --no-deps --no-index wheels/*.whl
-  else  # the package index; DeepSpeed without compiling its ops (megapost uses none)
-    DS_BUILD_OPS=0 pip install "deepspeed==0.19.8" matplotlib tensorboard sentencepiece safetensors || {
-      echo "error: could not install DeepSpeed from the package index; offline, run 'bash benchmarks/gpu.sh --build-wheels' on a networked machine and carry wheels/" >&2; exit 1; }
+# 2. torch: a GPU machine usually has a CUDA one; else the index's default Linux build (CUDA). The dry
+#    run takes the CPU build (never a multi-GB CUDA download): torch==2.13.0+cpu from the configured
+#    index or find-links, else from download.pytorch.org's CPU index.
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  if [ "$DRY" = 1 ]; then
+    T=${TORCH:-torch==2.13.0+cpu}; say "installing $T (CPU build, for the dry run)"
+    "${PIP[@]}" "$T" || "${PIP[@]}" "$T" --index-url https://download.pytorch.org/whl/cpu ||
+      die "could not install $T; set TORCH= to a CPU torch requirement or install one"
+  else
+    T=${TORCH:-torch}; say "installing $T (the CUDA build the package index serves for Linux)"
+    "${PIP[@]}" "$T" || die "could not install $T; install a CUDA torch (https://pytorch.org) and rerun"
   fi
 fi
+if [ "$DRY" = 0 ]; then
+  "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "error: benchmarks/gpu.sh needs a CUDA torch and a GPU (torch.cuda.is_available() is False); --dry-run runs it on CPU")'
+fi
+
+# 3. DeepSpeed and the libraries megapost imports.
+if ! "$PY" -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors' 2>/dev/null; then
+  if ls wheels/deepspeed-*.whl >/dev/null 2>&1; then  # offline: the carried wheels
+    "${PIP[@]}" --no-deps --no-index wheels/*.whl
+  else  # the package index; DeepSpeed without compiling its ops (megapost uses none)
+    DS_BUILD_OPS=0 "${PIP[@]}" "deepspeed==0.19.8" matplotlib tensorboard sentencepiece safetensors || die \
+      "could not install DeepSpeed from the package index; offline, run 'bash benchmarks/gpu.sh --build-wheels' on a networked machine and carry wheels/"
+  fi
+fi
+
+# 4. megapost itself, from this clone: the collapse_metrics plugin is found only through its entry point.
+installed() {
+  env -u PYTHONPATH "$PY" - "$PWD" <<'EOF' 2>/dev/null
+import importlib.metadata as md, os, sys
+import megapost, collapse_metrics
+here = os.path.realpath(sys.argv[1]) + os.sep
+ok = all(os.path.realpath(m.__file__).startswith(here) for m in (megapost, collapse_metrics))
+sys.exit(0 if ok and any(e.name == "collapse_metrics" for e in md.entry_points(group="megapost.plugins")) else 1)
+EOF
+}
+if ! installed; then
+  say "installing megapost from $PWD (pip install -e . --no-deps)"
+  "${PIP[@]}" --no-deps --no-build-isolation -e . >/dev/null 2>&1 || "${PIP[@]}" --no-deps -e . >/dev/null ||
+    die "pip install -e . failed in $PWD (needs setuptools >= 64: $PY -m pip install setuptools)"
+  installed || die "megapost installed but not importable from $PWD with its collapse_metrics entry point"
+fi
+
+# 5. The suite: each case on its own; a case that kills the process becomes a row, the rest still run.
 export PYTHONPATH="$PWD:$PWD/plugins:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY" = 1 ]; then
   export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
-  exec python benchmarks/gpu_suite.py --dry-run --out "$OUT"
+  SUITE_ARGS+=(--dry-run)
+else
+  export DS_ACCELERATOR=cuda
+  SUITE_ARGS+=(--steps "$STEPS" --peak-tflops "$PEAK")
 fi
-export DS_ACCELERATOR=cuda
-python benchmarks/gpu_suite.py --steps "$STEPS" --peak-tflops "$PEAK" --out "$OUT"
+rm -f "$OUT"
+for attempt in 1 2 3 4 5 6 7 8 9 10; do
+  [ "$attempt" = 1 ] && RESUME=() || RESUME=(--resume)
+  rc=0; "$PY" benchmarks/gpu_suite.py "${SUITE_ARGS[@]}" --out "$OUT" "${RESUME[@]}" || rc=$?
+  [ "$rc" = 0 ] && exit 0
+  [ -f "$OUT" ] || die "benchmarks/gpu_suite.py failed before its first case (exit $rc, output above)"
+  say "the suite process died (exit $rc); restarting after the case it died in"
+done
+die "the suite died 10 times; $OUT holds the rows it finished"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import sys
 import time
@@ -27,16 +26,28 @@ from typing import Any
 
 import torch
 from bench_common import build_trainer
+from case_runner import row_by_case, run_cases
+from toolchain import compile_toolchain_missing
 from train_step import BareLoop
 
+from megapost.config.presets import LADDER_VOCAB, PRESETS
 from megapost.metrics.host_syncs import HostSyncCounter
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.plan import planned_rank_peak
 
-# name: (layers, hidden, ffn, heads, query groups, seq, micro, accum, vocab)
-FULL = {"paper-180m": (48, 512, 1536, 8, None, 2048, 4, 8, 32000),
-        "1.3b-width": (4, 2048, 5632, 16, 8, 4096, 1, 4, 32000),
-        "7b-width": (2, 4096, 11008, 32, 8, 4096, 1, 4, 32000)}
+
+def preset_shape(preset: str, layers: int | None = None, seq: int | None = None, micro: int | None = None,
+                 accum: int = 8, groups: int | None = None) -> tuple:
+    """(layers, hidden, ffn, heads, query groups, seq, micro, accum, vocab): the preset's own width,
+    FFN and heads; the slices below cut layers / pick seq, micro-batch and GQA."""
+    p = PRESETS[preset]
+    return (layers or p["num_layers"], p["hidden_size"], p["ffn_hidden_size"], p["num_attention_heads"],
+            groups, seq or p["seq_length"], micro or p["micro_batch_size"], accum, LADDER_VOCAB)
+
+
+FULL = {"paper-180m": preset_shape("paper-180m"),  # 48 x 512, d_ff 1536, 4 heads, seq 2048, mb 4 (x 8)
+        "1.3b-width": preset_shape("llama-1.3b", layers=4, seq=4096, micro=1, accum=4, groups=8),
+        "7b-width": preset_shape("llama-7b", layers=2, seq=4096, micro=1, accum=4, groups=8)}
 TINY = {"paper-180m": (2, 64, 192, 4, None, 64, 2, 2, 512),
         "1.3b-width": (2, 64, 176, 8, 4, 128, 1, 2, 512),
         "7b-width": (1, 128, 344, 8, 4, 128, 1, 2, 512)}
@@ -71,7 +82,7 @@ def _time_steps(step: Any, device: torch.device, warmup: int, steps: int) -> flo
 
 
 def measure(name: str, shape: tuple, flags: list[str], o: argparse.Namespace, bare: bool = False,
-            plugins: tuple = ()) -> dict[str, Any]:
+            plugins: tuple = (), audited: bool = False) -> dict[str, Any]:
     """One case: seconds per step, tokens/s, MFU (Megatron / causal), peak memory vs the planner."""
     trainer, cfg, args = _trainer(shape, flags, plugins)
     device, n = trainer.device, iter(range(1, 10**9))
@@ -97,7 +108,7 @@ def measure(name: str, shape: tuple, flags: list[str], o: argparse.Namespace, ba
                         device)
         row["bare_s_per_step"] = _time_steps(loop.step, device, o.warmup, o.steps)
         row["megapost_over_bare"] = seconds / row["bare_s_per_step"]
-    if o.audit and not plugins:
+    if audited:
         row["host_syncs"] = audit(trainer, device)
         row["top_kernels"] = top_kernels(trainer, device)
     trainer = step = None  # free the engine before the next case
@@ -125,28 +136,30 @@ def audit(trainer: Any, device: torch.device) -> dict[str, Any]:
 
 
 def top_kernels(trainer: Any, device: torch.device, k: int = 8) -> list[dict[str, Any]]:
+    """The ops of one step by their own (self) time: a parent op's inclusive time counts its children
+    again and would list wrappers (``aten::linear``, autograd nodes) above the kernels that run."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         trainer.train_step(2001)
         _sync(device)
-    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:k]
-    return [{"name": e.key[:80], "ms": getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in rows]
+    self_key, total_key = (("self_device_time_total", "device_time_total") if device.type == "cuda"
+                           else ("self_cpu_time_total", "cpu_time_total"))
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, self_key, 0.0), reverse=True)[:k]
+    return [{"name": e.key[:80], "self_ms": getattr(e, self_key, 0.0) / 1e3,
+             "total_ms": getattr(e, total_key, 0.0) / 1e3, "calls": e.count} for e in rows]
 
 
-def overhead(shape: tuple, o: argparse.Namespace, base: float) -> list[dict[str, Any]]:
+def overhead(interval: int, shape: tuple, o: argparse.Namespace, base: float | None) -> dict[str, Any]:
+    """collapse_metrics at ``interval``; its overhead over the eager row (``base`` s/step, if it ran)."""
     from megapost.plugin_api import plugin_classes
 
-    rows = []
-    for interval in (1, 10):
-        flags = ["--plugins", "collapse_metrics", "--collapse-interval", str(interval)]
-        row = measure(f"collapse_metrics interval {interval}", shape, flags, o,
-                      plugins=tuple(plugin_classes("collapse_metrics")))
-        row["overhead"] = row["s_per_step"] / base - 1.0
-        rows.append(row)
-    return rows
+    flags = ["--plugins", "collapse_metrics", "--collapse-interval", str(interval)]
+    row = measure(f"collapse_metrics interval {interval}", shape, flags, o,
+                  plugins=tuple(plugin_classes("collapse_metrics")))
+    row["overhead"] = row["s_per_step"] / base - 1.0 if base else None
+    return row
 
 
 def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) -> dict[str, Any]:
@@ -186,7 +199,7 @@ def async_save(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
     and whether the shard written in the background is the state at the save."""
     import tempfile
 
-    out: dict[str, Any] = {"case": "async save (paper-180m shape)"}
+    out: dict[str, Any] = {}
     for mode in ("sync", "async"):
         with tempfile.TemporaryDirectory(prefix="gpu-suite-save-") as d:
             flags = ["--save", d, "--save-interval", "0", *(["--async-save"] if mode == "async" else [])]
@@ -201,24 +214,70 @@ def async_save(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _extra(r: dict[str, Any]) -> str:
+    extra = []
+    if "megapost_over_bare" in r:
+        extra.append(f"megapost/bare {r['megapost_over_bare']:.3f}")
+    if r.get("overhead") is not None:
+        extra.append(f"overhead {100 * r['overhead']:+.1f}%")
+    if "host_syncs" in r:
+        extra.append(f"host syncs {r['host_syncs']['counted']} (cuda warnings "
+                     f"{r['host_syncs']['cuda_sync_warnings']})")
+    return "; ".join(extra)
+
+
+def _save_line(r: dict[str, Any]) -> str:
+    sync, asy = r["sync"], r["async"]
+    return (f"lost per save / sync save wall {r['lost_over_sync_wall']:.3f} (sync {sync['blocked_s']:.2f} s; "
+            f"async blocks {asy['blocked_s']:.3f} s, overlapped steps +{asy['overlapped_extra_s']:.3f} s); "
+            f"snapshot exact: {asy['snapshot_exact']}")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = [f"{'case':34s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'causal':>6s} {'mem GB':>7s} "
            f"{'plan GB':>7s} extra"]
     for r in rows:
+        if "error" in r or "skipped" in r:
+            why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            out.append(f"{r['case']:34s} {why}")
+            continue
+        if "lost_over_sync_wall" in r:
+            out.append(f"{r['case']:34s} {_save_line(r)}")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         causal = f"{100 * r['mfu_causal']:.1f}%" if r.get("mfu_causal") else "n/a"
-        extra = []
-        if "megapost_over_bare" in r:
-            extra.append(f"megapost/bare {r['megapost_over_bare']:.3f}")
-        if "overhead" in r:
-            extra.append(f"overhead {100 * r['overhead']:+.1f}%")
-        if "host_syncs" in r:
-            extra.append(f"host syncs {r['host_syncs']['counted']} (cuda warnings "
-                         f"{r['host_syncs']['cuda_sync_warnings']})")
         mem = f"{r['peak_mem_gb']:.2f}" if "peak_mem_gb" in r else "n/a"
         out.append(f"{r['case']:34s} {r['s_per_step']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6s} {causal:>6s} "
-                   f"{mem:>7s} {r['planned_gb']:7.2f} {'; '.join(extra)}")
+                   f"{mem:>7s} {r['planned_gb']:7.2f} {_extra(r)}")
     return "\n".join(out)
+
+
+def cases(o: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The suite's cases in order, each a thunk (run_cases runs them one at a time)."""
+    shapes = TINY if o.dry_run else FULL
+    eager = "paper-180m eager"
+
+    def compiled(_rows: list) -> dict[str, Any]:
+        if o.dry_run:
+            return {"skipped": "dry run (compiling takes minutes on CPU)"}
+        missing = compile_toolchain_missing()
+        if missing:
+            print(f"note: {missing}", flush=True)
+            return {"skipped": missing}
+        return measure("paper-180m --compile", shapes["paper-180m"], ["--compile"], o)
+
+    out = [(eager, lambda _rows: measure(eager, shapes["paper-180m"], [], o, bare=True, audited=True)),
+           ("paper-180m --compile", compiled)]
+    for width in ("1.3b-width", "7b-width"):
+        for ckpt in ([], ["--checkpoint-activations"]):
+            name = f"{width}{' ckpt' if ckpt else ''}"
+            out.append((name, lambda _rows, n=name, w=shapes[width], c=ckpt: measure(n, w, c, o)))
+    for interval in (1, 10):
+        out.append((f"collapse_metrics interval {interval}",
+                    lambda rows, i=interval: overhead(i, shapes["paper-180m"], o,
+                                                      (row_by_case(rows, eager) or {}).get("s_per_step"))))
+    out.append(("async save (paper-180m shape)", lambda _rows: async_save(shapes["paper-180m"], o)))
+    return out
 
 
 def main() -> None:
@@ -228,31 +287,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0)
     p.add_argument("--out", default="gpu_suite.json")
+    p.add_argument("--resume", action="store_true", help="keep the rows of a --out a died run left")
+    p.add_argument("--inject-failure", metavar="CASE", help="make CASE raise (shows the suite goes on)")
     o = p.parse_args()
     if o.dry_run:
         o.steps, o.warmup, o.peak_tflops = 1, 1, o.peak_tflops or 1.0
-    o.audit = True
-    shapes = TINY if o.dry_run else FULL
-    rows = [measure("paper-180m eager", shapes["paper-180m"], [], o, bare=True)]
-    o.audit = False
-    if o.dry_run:
-        rows.append({**rows[0], "case": "paper-180m --compile (skipped: dry run)"})
-    else:
-        rows.append(measure("paper-180m --compile", shapes["paper-180m"], ["--compile"], o))
-    for width in ("1.3b-width", "7b-width"):
-        for ckpt in ([], ["--checkpoint-activations"]):
-            rows.append(measure(f"{width}{' ckpt' if ckpt else ''}", shapes[width], ckpt, o))
-    rows += overhead(shapes["paper-180m"], o, rows[0]["s_per_step"])
-    save = async_save(shapes["paper-180m"], o)
-    with open(o.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                   "dry_run": o.dry_run, "rows": rows, "async_save": save}, f, indent=1, default=str)
-    print(table(rows))
-    sync, asy = save["sync"], save["async"]
-    print(f"--async-save: training time lost per save / sync save wall = {save['lost_over_sync_wall']:.3f} "
-          f"(sync {sync['blocked_s']:.2f} s; async blocks {asy['blocked_s']:.3f} s, overlapped steps "
-          f"+{asy['overlapped_extra_s']:.3f} s); snapshot exact: {asy['snapshot_exact']}")
+    todo = cases(o)
+    meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "dry_run": o.dry_run, "shapes": FULL}
+    result = run_cases(todo, o.out, meta, resume=o.resume, fail=o.inject_failure)
+    print(table(result["rows"]))
     print(f"wrote {o.out}")
+    failed = [r["case"] for r in result["rows"] if "error" in r]
+    if failed:
+        print(f"{len(failed)} case(s) failed: {', '.join(failed)} (their rows hold the error)")
 
 
 if __name__ == "__main__":

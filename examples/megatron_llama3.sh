@@ -9,13 +9,15 @@
 #   - --decoupled-lr/--decoupled-min-lr dropped (refused: megapost has one lr for all parameters);
 #   - --normalization RMSNorm spelled out (Llama's norm; Megatron's default, LayerNorm, is refused here),
 #     and --tensorboard-queue-size, --log-validation-ppl-to-tensorboard, --timing-log-level added;
-#   - PRETRAIN_SCRIPT_PATH is the megapost module, and LAUNCHER=torchrun|deepspeed picks the launcher.
+#   - PRETRAIN_SCRIPT_PATH is the megapost module, and LAUNCHER=torchrun|deepspeed picks the launcher;
+#   - no `export CUDA_DEVICE_MAX_CONNECTIONS=1`: Megatron sets it so its TP/SP comm kernels are queued
+#     in issue order; megapost has no such overlap, and one hardware queue would serialise DeepSpeed's
+#     gradient-reduction stream and the async save's copy stream behind the compute stream.
 #
 #   bash examples/megatron_llama3.sh [CHECKPOINT_PATH [TENSORBOARD_LOGS_PATH [TOKENIZER [DATA]]]]
 #   LAUNCHER=deepspeed bash examples/megatron_llama3.sh ...
 # Megatron's habit --save X --load X: the first launch starts fresh, the next resumes.
 set -e
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DATA_DIR=${MEGAPOST_DATA_DIR:-$REPO/data}
 

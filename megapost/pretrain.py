@@ -16,6 +16,7 @@ from megapost.runtime import interrupts
 from megapost.runtime.distributed import process_group_scope
 from megapost.runtime.hang_report import CollectiveFailure
 from megapost.runtime.launcher_report import record_for_launcher
+from megapost.runtime.slurm import adopt_slurm_env
 from megapost.train.build import build
 from megapost.train.prepare import prepare
 
@@ -23,7 +24,11 @@ from megapost.train.prepare import prepare
 def run(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, validate, build and train; returns the loss history (used by tests). With
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
-    log line shows the measured peak beside the planner's prediction (slower; for CPU checks)."""
+    log line shows the measured peak beside the planner's prediction (slower; for CPU checks). A bare
+    ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py)."""
+    note = adopt_slurm_env()
+    if note and os.environ["RANK"] == "0":
+        print(f"note: {note}", flush=True)
     with tensor_memory_from_env() as tracker, process_group_scope():
         return _run(argv, tracker)
 

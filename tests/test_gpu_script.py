@@ -1,23 +1,109 @@
-"""benchmarks/gpu.sh cannot rot: its --dry-run runs the whole suite on CPU with tiny shapes."""
+"""benchmarks/gpu.sh cannot rot: its --dry-run runs the whole suite on CPU with tiny shapes, from a
+fresh clone in a fresh venv where megapost is not installed; every case reports (a failing case is a
+row), and the JSON is there after every case."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
-from launch_utils import run
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from case_runner import load_resume, run_cases  # noqa: E402
+
+CASES = ["paper-180m eager", "paper-180m --compile", "1.3b-width", "1.3b-width ckpt", "7b-width",
+         "7b-width ckpt", "collapse_metrics interval 1", "collapse_metrics interval 10",
+         "async save (paper-180m shape)"]
 
 
-@pytest.mark.slow  # ~1-2 min on 2 cores
-def test_gpu_sh_dry_run(tmp_path) -> None:
-    out = tmp_path / "suite.json"
-    proc = run(["bash", "benchmarks/gpu.sh", "--dry-run", "--out", str(out)], timeout=900)
+def fresh_venv(root: Path) -> dict[str, str]:
+    """A venv without megapost: this interpreter's site packages (torch, DeepSpeed, pip) linked in one
+    by one, megapost's editable install and dist-info left out. Returns an environment that activates
+    it (no PYTHONPATH)."""
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for entry in Path(base).iterdir():
+            if "megapost" not in entry.name.lower() and not (site / entry.name).exists():
+                (site / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CONDA_PREFIX", "PYTHON")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv}/bin:{env['PATH']}", OMP_NUM_THREADS="1")
+    probe = subprocess.run([str(venv / "bin/python"), "-c", "import megapost"], env=env, cwd=root,
+                           capture_output=True)
+    assert probe.returncode != 0, "megapost is importable in the fresh venv"
+    return env
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: an editable install and the whole suite at tiny shapes
+def test_gpu_sh_dry_run_from_a_fresh_clone_in_a_fresh_venv(tmp_path) -> None:
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+    env, out = fresh_venv(tmp_path), tmp_path / "suite.json"
+    proc = subprocess.run(["bash", "benchmarks/gpu.sh", "--dry-run", "--out", str(out), "--inject-failure",
+                           "7b-width ckpt"], cwd=clone, env=env, capture_output=True, text=True, timeout=1500)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0 and "installing megapost from" in proc.stdout
     result = json.loads(out.read_text())
-    cases = [r["case"] for r in result["rows"]]
-    assert result["dry_run"] and len(cases) == 8 and "megapost/bare" in proc.stdout
-    first = result["rows"][0]
-    assert first["host_syncs"]["counted"] == 0 and first["top_kernels"] and first["tokens_per_s"] > 0
-    assert {"1.3b-width ckpt", "7b-width", "collapse_metrics interval 10"} <= set(cases)
-    save = result["async_save"]  # written in the background while steps ran, equal to the state at the save
+    rows = {r["case"]: r for r in result["rows"]}
+    assert result["dry_run"] and list(rows) == CASES and result["running"] is None
+    assert "injected" in rows["7b-width ckpt"]["error"] and "7b-width ckpt" in proc.stdout
+    assert [c for c, r in rows.items() if "error" in r] == ["7b-width ckpt"]  # the others all ran
+    first = rows["paper-180m eager"]
+    assert first["host_syncs"]["counted"] == 0 and first["tokens_per_s"] > 0
+    assert "megapost/bare" in proc.stdout
+    kernels = first["top_kernels"]
+    own = [k["self_ms"] for k in kernels]
+    assert own == sorted(own, reverse=True) and any(k["total_ms"] > k["self_ms"] for k in kernels)
+    assert rows["collapse_metrics interval 10"]["overhead"] is not None  # the plugin loaded, from the clone
+    save = rows["async save (paper-180m shape)"]  # written in the background, equal to the state at the save
     assert save["async"]["snapshot_exact"] and save["sync"]["snapshot_exact"]
     assert save["lost_over_sync_wall"] >= 0
+    assert result["shapes"]["paper-180m"][:6] == [48, 512, 1536, 4, None, 2048]  # the paper: 4 heads
+
+
+def test_a_failing_case_is_a_row_and_the_json_is_on_disk_after_every_case(tmp_path) -> None:
+    out = str(tmp_path / "r.json")
+    seen: list[list[str]] = []
+
+    def on_disk(_rows: list) -> dict:  # what a reader of the file sees while this case runs
+        doc = json.loads(Path(out).read_text())
+        seen.append([r["case"] for r in doc["rows"]] + [f"running {doc['running']}"])
+        return {"v": len(seen)}
+
+    def broken(_rows: list) -> dict:
+        raise ValueError("no kernel image")
+
+    doc = run_cases([("a", on_disk), ("b", broken), ("c", on_disk)], out, {"device": "cpu"})
+    assert seen == [["running a"], ["a", "b", "running c"]]
+    assert [r["case"] for r in doc["rows"]] == ["a", "b", "c"]
+    assert "no kernel image" in doc["rows"][1]["error"]
+    assert json.loads(Path(out).read_text()) == json.loads(json.dumps(doc)) and not list(tmp_path.glob(".*"))
+
+
+def test_resume_records_the_case_a_dead_process_was_in_and_runs_the_rest(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"device": "cpu", "rows": [{"case": "a", "v": 1}], "running": "b"}))
+    assert load_resume(str(out))["rows"][-1]["case"] == "b"
+    ran: list[str] = []
+    cases = [(n, lambda _r, n=n: ran.append(n) or {}) for n in ("a", "b", "c")]
+    doc = run_cases(cases, str(out), {}, resume=True)
+    assert ran == ["c"] and [r["case"] for r in doc["rows"]] == ["a", "b", "c"]
+    assert "process died" in doc["rows"][1]["error"]
+
+
+def test_compile_toolchain_check_names_what_is_missing(monkeypatch) -> None:
+    from toolchain import compile_toolchain_missing
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": "/nonexistent/include"})
+    line = compile_toolchain_missing()
+    assert "CC=/nonexistent/cc" in line and "Python.h" in line and "\n" not in line

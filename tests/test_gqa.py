@@ -224,3 +224,26 @@ def test_trainer_runs_gqa_and_prints_the_split(tiny_data) -> None:
                       ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
     assert f" megapost: {cfg.parameter_summary()}, norm=post" in out.stdout, out.stdout
     assert cfg.parameter_summary().endswith("non-embedding), GQA 2 K/V heads")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_sdpa_equals_enable_gqa_and_fp32_never_asks_for_it(dtype: torch.dtype, monkeypatch) -> None:
+    """fp32 repeats K/V (CUDA has no fused fp32 kernel taking enable_gqa); outputs and gradients equal
+    torch's own enable_gqa SDPA; only bf16 passes enable_gqa on."""
+    from megapost.model import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 32, 16, generator=gen, dtype=dtype, requires_grad=True) for n in (6, 2, 2))
+    real = torch.nn.functional.scaled_dot_product_attention
+    want = real(q, k, v, is_causal=True, enable_gqa=True)
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    calls: list[dict] = []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    got = attention.grouped_sdpa(q, k, v, 3)
+    got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    assert calls[0].get("enable_gqa", False) is (dtype != torch.float32)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, **tol)

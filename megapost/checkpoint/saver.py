@@ -306,3 +306,14 @@ def check_shared(directory: str, rank: int) -> None:
         raise ConfigError(f"--save {directory} is not on a filesystem every rank sees: rank {int(first[0])} "
                           "cannot read the file rank 0 wrote there (a node-local path?); put --save on a "
                           "filesystem shared by every node")
+
+
+def reserve_host(engine: Any, config: Config, plugin_states: dict[str, Any], pstate: Any) -> int:
+    """--async-save: allocate this rank's flat host buffer (``sharded.HostPool``) now, sized for the
+    files a save would write, so the first save does not pay for it; returns its bytes. Call once the
+    optimizer's moments exist (after the first optimizer step); a later save re-sizes only if its files
+    differ (e.g. a plugin's state grew)."""
+    run = io.RunLayout.of(config.flags)
+    client = {"iteration": 0, "consumed_train_samples": 0, "rng": io.rng_state(), "plugins": plugin_states,
+              "args": {}}
+    return _POOL.reserve(sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)).numel()

@@ -24,6 +24,17 @@ def repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
 
 
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Causal SDPA with ``n_rep`` query heads per K/V head. In fp32 K/V are repeated first: CUDA's only
+    fp32 fused kernel (memory-efficient) does not take ``enable_gqa`` and SDPA would fall back to the
+    O(s^2) math kernel; bf16/fp16 keep ``enable_gqa`` (flash takes it, no K/V copy)."""
+    if n_rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
     """softmax(QK^T/sqrt(d_h)) V W_O per head; heads are inferred from the projection widths, so a
     tensor-parallel wrapper can shard W_Q/W_K/W_V by columns and W_O by rows without changes here.
@@ -74,8 +85,7 @@ class Attention(nn.Module):
         cos, signed_sin = self._rope_tables(q.shape[2], x.device, q.dtype)
         q, k = apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
         n_rep = q.shape[1] // k.shape[1]
-        gqa = {"enable_gqa": True} if n_rep > 1 else {}
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        out = grouped_sdpa(q, k, v, n_rep)
         if self.prefix_alpha:
             out = out - self.prefix_alpha * repeat_kv(causal_running_mean(v), n_rep)
         out = out.transpose(1, 2).reshape(b, q.shape[2], -1)

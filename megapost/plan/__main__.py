@@ -19,6 +19,7 @@ from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
 from megapost.plan.collapse_risk import collapse_risk, load_boundary
 from megapost.plan.counts import parameter_counts
+from megapost.plan.memory import async_save_host_bytes
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
 from megapost.plan.throughput import Cluster
 
@@ -159,6 +160,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "not_fitting": [row(c) for c in cands if not c.fits],
         "recommended": row(best) if best else None,
         "ties": sum(1 for c in fitting if c.step_seconds <= best.step_seconds * (1 + TIE)) if best else 0,
+        "async_save_host_gb_per_node": (async_save_host_bytes(cfg, best.layout)
+                                        * min(args.gpus, args.gpus_per_node) / GiB if best else None),
         "collapse_risk": collapse_risk(*load_boundary(args.collapse_boundary), args.norm_position,
                                        cfg.hidden_size, cfg.num_layers, args.lr, args.lr_warmup_iters),
     }
@@ -199,6 +202,9 @@ def render(result: dict, top: int) -> str:
                          "model does not rank them")
     else:
         lines.append("recommended: none fits; add GPUs, lower --micro-batch/--seq-length, or use more memory")
+    if result["async_save_host_gb_per_node"] is not None:
+        lines.append(f"--async-save holds {result['async_save_host_gb_per_node']:.1f} GiB of host memory per "
+                     "node (pinned; fp32 master + Adam moments of each rank's shard, one buffer per rank)")
     lines.append(result["collapse_risk"]["line"])
     return "\n".join(lines)
 

@@ -164,7 +164,7 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
     kv_heads = kv_groups_per_rank(cfg, tp) if tp > 1 else kv_groups(cfg)
-    kv = kv_heads * cfg.head_dim
+    kv = (a // tp if e == 4 else kv_heads) * cfg.head_dim  # fp32 GQA: SDPA keeps the repeated K/V
     attn_rule, ffn_rule = cfg.rules(layer_number)
     norms = sum(int(r.norm_input is not None) + int(r.output_norm) for r in (attn_rule, ffn_rule))
     sublayers = norms * stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) + 2 * e * t_all * h
@@ -313,3 +313,15 @@ def _largest_tensor(cfg: ModelConfig, tp: int, stage: int, pp: int) -> int:
 def rank_memory(cfg: ModelConfig, layout: Layout, prec: Precision) -> list[RankMemory]:
     """Every pipeline stage's per-rank memory."""
     return [stage_memory(cfg, layout, prec, stage) for stage in range(layout.pp)]
+
+
+ASYNC_SAVE_BYTES_PER_PARAMETER = 12  # fp32 master + Adam's two fp32 moments (checkpoint/sharded.py)
+
+
+def async_save_host_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """Host memory ``--async-save`` holds per rank between saves (checkpoint/sharded.py ``HostPool``:
+    one flat buffer, pinned on CUDA): the fp32 master and two moments of what the rank writes — its
+    ZeRO partition, or at ZeRO-0 its whole TP/PP shard on data-parallel rank 0 — on the largest stage."""
+    params = max(stage_parameters(cfg, layout.tp, layout.pp, s) for s in range(layout.pp))
+    owned = params if layout.zero_stage == 0 else -(-params // layout.dp)
+    return ASYNC_SAVE_BYTES_PER_PARAMETER * owned

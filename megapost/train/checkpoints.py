@@ -77,8 +77,12 @@ class CheckpointManager:
         saver.poll()
 
     def before_state_changes(self) -> None:
-        """Before the optimizer step, a rollback or a load: a background save's snapshot is taken."""
+        """Before the optimizer step, a rollback or a load: a background save's snapshot is taken.
+        Under --async-save, before the second step (the moments exist), the host buffer is allocated."""
         saver.before_state_changes()
+        if self.ckpt.async_save and self.engine.global_steps >= 1 and not getattr(self, "_reserved", False):
+            self._reserved = True
+            saver.reserve_host(self.engine, self.config, self.host.states(), self.pstate)
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""

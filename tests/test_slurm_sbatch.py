@@ -1,0 +1,74 @@
+"""examples/slurm/pretrain_paper_180m.sbatch end to end, with stand-ins for SLURM's `srun` (starts
+SLURM_NTASKS tasks with their SLURM_* variables, passes signals on, as srun does) and `scontrol`:
+USR1 before the time limit -> the tasks save and exit 0 -> the job requeues; the requeued run resumes
+from `latest`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_utils import free_port
+from launch_utils import REPO, child_env, tiny_model_flags
+
+SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done  # srun's own options
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+rc=0
+for p in "${pids[@]}"; do while :; do wait "$p"; r=$?; kill -0 "$p" 2>/dev/null || break; done; \
+  [ "$r" = 0 ] || rc=$r; done
+exit $rc
+"""
+SCONTROL = """#!/bin/bash
+case "$1" in show) echo localhost ;; requeue) echo "$2" >> "$REQUEUED" ;; esac
+"""
+
+
+def _shims(tmp: Path) -> Path:
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.slow  # two ranks, signalled mid-run, then resumed: ~1-2 min on 2 cores
+def test_sbatch_requeues_on_the_signal_and_resumes_from_latest(tiny_data, tmp_path) -> None:
+    save, requeued = tmp_path / "ckpt", tmp_path / "requeued"
+    flags = tiny_model_flags(tiny_data, **{"--train-iters": 400, "--data-path": None,
+                                           "--tokenizer-model": None}) + ["--no-bf16"]
+    env = child_env(PATH=f"{_shims(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_ID="99", SLURM_NTASKS="2",
+                    SLURM_JOB_NODELIST="localhost", DATA=tiny_data.prefix,
+                    TOKENIZER=tiny_data.tokenizer_model,
+                    SAVE=str(save), MEGAPOST_PYTHON=sys.executable, REQUEUED=str(requeued),
+                    MASTER_PORT=str(free_port()))
+    script = str(REPO / "examples/slurm/pretrain_paper_180m.sbatch")
+    job = subprocess.Popen(["bash", script, *flags], cwd=tmp_path, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in job.stdout:  # wait for training to be under way, then the time-limit signal
+        lines.append(line)
+        if "iteration      3/" in line:
+            job.send_signal(signal.SIGUSR1)
+            break
+    lines += job.stdout.readlines()
+    assert job.wait(120) == 0, "".join(lines[-40:])
+    assert requeued.read_text().split() == ["99"]
+    stopped = int((save / "latest").read_text().strip().removeprefix("iter_"))
+    assert 3 <= stopped < 400, "".join(lines[-20:])
+    env["MASTER_PORT"] = str(free_port())
+    time.sleep(1)
+    again = subprocess.run(["bash", script, *flags, "--exit-interval", str(stopped + 2)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"iteration {stopped + 1:6d}/" in again.stdout and "iteration      1/" not in again.stdout
