@@ -8,6 +8,7 @@ import argparse
 import math
 
 from megapost.config.errors import ConfigError
+from megapost.config.logging_flags import add_logging_arguments, check_logging_arguments
 from megapost.config.megatron_habits import add_habit_arguments, apply_habits
 
 # Flags without a value that ask for what megapost always does.
@@ -100,14 +101,13 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, help="vocabulary of --tokenizer-type NullTokenizer")
     g.add_argument("--num-workers", type=int, default=0,
                    help="accepted: samples are read from the memory-mapped .bin in the training process")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1,
-                   help="accepted: every iteration's scalars are written at each --log-interval")
     g.add_argument("--train-data-path", nargs="+", help="train blend (weights and prefixes)")
     g.add_argument("--valid-data-path", nargs="+", help="validation blend")
     g.add_argument("--test-data-path", nargs="+", help="test blend")
     g.add_argument("--data-args-path", help="file holding the --data-path list")
     g.add_argument("--per-split-data-args-path", help='JSON {"train": [...], "valid": [...], "test": [...]}')
     add_habit_arguments(g, p)
+    add_logging_arguments(g)
 
 
 def _refuse(flag: str, what: str) -> ConfigError:
@@ -119,9 +119,6 @@ def _compatibility_notes(args: argparse.Namespace) -> list[str]:
     notes = []
     if getattr(args, "deepspeed", False):
         notes.append("--deepspeed (megapost always trains through DeepSpeed)")
-    if "tensorboard_log_interval" in args.explicit:
-        notes.append(f"--tensorboard-log-interval {args.tensorboard_log_interval} (every iteration's "
-                     "scalars are written to TensorBoard at each --log-interval)")
     if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
         notes.append(f"--vocab-size {args.vocab_size} not used: the vocabulary comes from "
                      f"--tokenizer-type {args.tokenizer_type} (padded to --make-vocab-size-divisible-by)")
@@ -180,7 +177,7 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
         raise _refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N")
     if args.num_workers:
         notes.append(f"--num-workers {args.num_workers} (samples are read from the mmap in-process)")
-    return notes + apply_habits(args)
+    return notes + apply_habits(args) + check_logging_arguments(args)
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

@@ -36,6 +36,20 @@ def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor 
     return None
 
 
+def owned_master(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s fp32 master weight this rank owns, by the rule of ``owned_grad``: under
+    ZeRO 1/2 and the bf16 optimizer its fragment of the flat fp32 partition, else the parameter itself
+    (the master under fp32 ZeRO-0) on DP rank 0."""
+    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+        return None
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is not None:
+        return mapping.get_hp_fragment()
+    if hasattr(param, "_hp_mapping"):  # ZeRO: this rank's partition holds no element of param
+        return None
+    return param.detach() if dp_rank == 0 else None
+
+
 def _hp_fragment(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's slice of the flat-partitioned gradient (as in DeepSpeed's ``get_full_hp_grad``)."""
     mapping = param._hp_mapping
