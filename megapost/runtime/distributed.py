@@ -50,6 +50,13 @@ def device_index(device_count: int, local_rank: int | None = None) -> int:
     return rank % max(1, device_count)
 
 
+def check_backend(backend: str | None, device_type: str) -> None:
+    """``--distributed-backend nccl`` needs a CUDA device (checked at parse time and at init)."""
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
+                          "use --distributed-backend gloo, or leave the flag out")
+
+
 def init_distributed(local_rank: int | None, backend: str | None, timeout_minutes: float) -> torch.device:
     """Initialise torch.distributed (``backend``: --distributed-backend, None: by device) with a
     bounded timeout (--distributed-timeout-minutes); returns this rank's device."""
@@ -63,10 +70,8 @@ def init_distributed(local_rank: int | None, backend: str | None, timeout_minute
     else:
         device = torch.device("cpu")
         skip_cpu_shm_op_build()
+    check_backend(backend, device.type)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
-                          "use --distributed-backend gloo, or leave the flag out")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     default_group_timeout(timeout)
     try:
