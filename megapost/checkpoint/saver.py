@@ -139,11 +139,17 @@ def _finish(job: _Save, files: sharded.RankFiles) -> None:
 
 
 def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
+    started = time.perf_counter()
     try:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         _finish(job, snapshot.files)
+        if job.rank == 0:  # published: one line with the tag's size and the write's seconds
+            final = os.path.join(job.directory, job.tag)
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
+            print(f" async save complete: {final} ({size / 2**30:.3g} GB in "
+                  f"{time.perf_counter() - started:.1f} s)", flush=True)
     except BaseException as e:  # surfaces in wait_pending
         job.error = e
     finally:

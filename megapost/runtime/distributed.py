@@ -5,19 +5,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 from collections.abc import Iterator
 
 import deepspeed
 import torch
 
 from megapost.config.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megapost.utils.ports import free_port
 
 
 def skip_cpu_shm_op_build() -> None:
@@ -62,7 +56,7 @@ def init_distributed(local_rank: int | None, backend: str | None, timeout_minute
     bounded timeout (--distributed-timeout-minutes); returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():
         index = device_index(torch.cuda.device_count(), local_rank)
         torch.cuda.set_device(index)

@@ -32,6 +32,8 @@ def mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
     """``MFU 41.0% (causal 37.2%)``: Megatron's convention first; unknown without a peak."""
     if peak_tflops <= 0:
         return "MFU unknown: pass --peak-tflops"
+    if perf["mfu"] > 1.0:  # impossible: the peak it divides by is too low (warned once)
+        return "MFU n/a (above 100%: the peak is too low)"
     causal = f" (causal {100 * perf['mfu_causal']:.1f}%)" if "mfu_causal" in perf else ""
     return f"MFU {100 * perf['mfu']:.1f}%{causal}"
 
@@ -140,7 +142,8 @@ class TrainLogger:
                               "peak measured while the machine was busy; measure it again with "
                               "--remeasure-peak on an idle machine, or pass --peak-tflops")
         perf["memory_gb"] = memory_gb(self.device)
-        self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
+        shown = {k: v for k, v in perf.items() if not (k.startswith("mfu") and perf["mfu"] > 1.0)}
+        self.monitor.scalars("throughput", shown, st.iteration, st.iteration * self.tokens_per_step)
         lr = st.losses[-1][3]
         gn = f"{norms[-1]:.3f}" if norms[-1] is not None else "n/a"
         self.monitor.line(

@@ -151,6 +151,10 @@ class Trainer:
     def _train(self) -> dict[str, Any]:
         run, ckpt, log, st = self.config.runtime, self.config.checkpoint, self.config.logging, self.state
         self.logger.start_iteration = st.iteration
+        if st.iteration >= run.train_iters:  # a resumed run that is already done: no step, no save
+            self.monitor.line(f" nothing to train: the run is at iteration {st.iteration} of --train-iters "
+                              f"{run.train_iters}; raise --train-iters (or --train-samples) to go on")
+            return {"train_loss": {}, "valid_loss": {}, "grad_norm": {}, "memory": {}}
         if st.iteration == 0:
             self.runner.measure_at_init()
         self.runner.start_data(st.consumed_samples)
