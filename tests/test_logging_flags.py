@@ -101,3 +101,24 @@ def test_logging_flags_add_no_host_sync_on_quiet_steps(tiny_data) -> None:
     (sites,) = count_syncs(tiny_data, 1, flags)
     assert sites.pop(ITERATIONS) == 2
     assert not sites, f"host syncs on non-logging steps with the logging flags: {sites}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"]],
+                         ids=["DP2-ZeRO-2", "TP2"])
+def test_params_norm_and_zeros_count_each_element_once_over_ranks(tiny_data, tmp_path, layout) -> None:
+    """The same training at 2 ranks (data- or tensor-parallel) logs the 1-rank run's values: ZeRO
+    partitions summed once, tensor-parallel replicas counted once."""
+    from launch_utils import pretrain
+
+    values = []
+    for name, ranks, extra in (("one", 1, []), ("two", 2, layout)):
+        tb = tmp_path / name
+        pretrain([*tiny_model_flags(tiny_data, **{"--train-iters": 2, "--log-interval": 2,
+                                                  "--tensorboard-dir": tb, "--peak-tflops": 1}),
+                  "--log-params-norm", "--log-num-zeros-in-grad", *extra], nprocs=ranks)
+        values.append((read_scalars(tb, "train/params_norm")[2], read_scalars(tb, "train/num_zeros")[2]))
+    (norm1, zeros1), (norm2, zeros2) = values
+    print(f"{layout}: params norm {norm2:.6f} vs 1 rank {norm1:.6f}; num zeros {zeros2:.0f} vs {zeros1:.0f}")
+    assert norm2 == pytest.approx(norm1, rel=1e-5)
+    assert zeros2 == zeros1 > 0

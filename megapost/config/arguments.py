@@ -157,13 +157,15 @@ _NON_NEGATIVE = ("save_interval", "eval_interval", "eval_iters", "lr_warmup_iter
 
 def check_counts(args: argparse.Namespace) -> None:
     """Counts and sizes must be positive (intervals may be 0 for off); every bad one reported."""
-    errors = Errors()
+    typed, derived = Errors(), Errors()  # a derived value (--lr-decay-iters = --train-iters) only alone
     for dest, least in [(d, 1) for d in _POSITIVE] + [(d, 0) for d in _NON_NEGATIVE]:
         value = getattr(args, dest, None)
         if value is not None and value < least:
             kind = "positive" if least else "0 (off) or positive"
-            errors.add(ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}"))
-    errors.raise_all()
+            error = ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}")
+            (typed if dest in getattr(args, "explicit", ()) else derived).add(error)
+    typed.raise_all()
+    derived.raise_all()
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:
@@ -303,7 +305,9 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         )
     dp = world_size // (tp * pp)
     args.data_parallel_size = dp
-    if args.micro_batch_size < 1 or args.global_batch_size % (args.micro_batch_size * dp):
+    if args.micro_batch_size < 1:
+        return  # said by check_counts
+    if args.global_batch_size % (args.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp}; pick a multiple of "
