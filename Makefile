@@ -20,8 +20,9 @@ ifneq ($(strip $(TORCH)),)
 endif
 	$(PIP) -e ".[dev,hf]"
 
-train: install
-	deepspeed $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
+train: install  # MASTER_PORT, else a free port (printed); LAUNCHER's --master_port wins over both
+	@port=$${MASTER_PORT:-$$($(PYTHON) -m megapost.utils.ports)}; echo "master port $$port (set MASTER_PORT to choose)"; \
+	deepspeed --master_port $$port $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
 
 test: install
 	ruff check .

@@ -30,8 +30,12 @@ NUM_GPUS=${NUM_GPUS:-8}
 RUN_ROOT=${RUN_ROOT:-runs}
 COLLAPSE_INTERVAL=${COLLAPSE_INTERVAL:-10}  # metrics every 10 steps (Fig 5 wants every step around the transition)
 STOP_AT=${STOP_AT:-40000}
-LAUNCHER=(deepspeed --num_gpus "$NUM_GPUS")
-[[ -n "${HOSTFILE:-}" ]] && LAUNCHER=(deepspeed --hostfile "$HOSTFILE")
+if [[ -z "${MASTER_PORT:-}" ]]; then  # none given: a free one on this node (printed)
+  MASTER_PORT=$(python -m megapost.utils.ports)
+  echo "MASTER_PORT not set: using free port $MASTER_PORT (set MASTER_PORT to choose one)"
+fi
+LAUNCHER=(deepspeed --num_gpus "$NUM_GPUS" --master_port "$MASTER_PORT")
+[[ -n "${HOSTFILE:-}" ]] && LAUNCHER=(deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT")
 
 for norm in $NORMS; do
   for lr in $LRS; do

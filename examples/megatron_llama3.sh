@@ -34,7 +34,10 @@ mkdir -p "$(dirname "$TENSORBOARD_LOGS_PATH")"
 GPUS_PER_NODE=${GPUS_PER_NODE:-1}
 NUM_NODES=1
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-29500}
+if [ -z "${MASTER_PORT:-}" ]; then  # none given: a free one (a busy 29500 would fail the launch)
+    MASTER_PORT=$(${PYTHON:-python3} -m megapost.utils.ports)
+    echo "MASTER_PORT not set: using free port $MASTER_PORT (set MASTER_PORT to choose one)"
+fi
 NODE_RANK=${NODE_RANK:-0}
 LAUNCHER=${LAUNCHER:-torchrun}
 

@@ -3,8 +3,10 @@ keeps its data, bf16 fits the CPU, the port check cannot race, one TensorBoard r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 import socket
 import subprocess
 import time
@@ -134,8 +136,15 @@ def test_resume_keeps_data_refuses_other_data_and_keeps_history(tiny_data, tmp_p
 def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) -> None:
     """examples/megatron_llama3.sh (Megatron's Llama flags): fresh --save X --load X, then a resume."""
     ck, tb = tmp_path / "ck", tmp_path / "tb"
-    first = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16"],
-                LAUNCHER="torchrun", MASTER_PORT=str(_free_port()), DATA_CACHE_PATH=str(tmp_path / "cache"))
+    with contextlib.ExitStack() as busy:  # torchrun's default port taken: the script picks a free one
+        with contextlib.suppress(OSError):
+            held = busy.enter_context(socket.socket())
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        first = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16"],
+                    LAUNCHER="torchrun", DATA_CACHE_PATH=str(tmp_path / "cache"))
+    port = re.search(r"MASTER_PORT not set: using free port (\d+)", first.stdout)
+    assert port and port.group(1) != "29500", first.stdout[:2000]
     assert "norm=pre" in first.stdout and "no checkpoint there yet; starting a new run" in first.stdout
     for flag in ("--apply-layernorm-1p", "--manual-gc", "--attention-backend fused", "--grad-reduce-in-bf16",
                  "--tensorboard-queue-size 5", "--timing-log-level 0", "--sequence-parallel"):
@@ -147,6 +156,11 @@ def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) 
                  LAUNCHER="deepspeed", MASTER_PORT=str(_free_port()), DATA_CACHE_PATH=str(tmp_path / "cache"))
     assert "resumed from" in second.stdout and "at iteration 4" in second.stdout
     assert sorted(read_scalars(tb, "train/lm_loss")) == list(range(1, 7))
+    third = run(["bash", "examples/megatron_llama3.sh", str(ck), str(tb), "", "", "--no-bf16",
+                 "--train-samples", "24", "--lr-decay-samples", "24"],
+                LAUNCHER="torchrun", DATA_CACHE_PATH=str(tmp_path / "cache"))  # already finished
+    done = [line for line in third.stdout.splitlines() if "nothing to train" in line]
+    assert len(done) == 1 and "iteration 6" in done[0], third.stdout[-2000:]
 
 
 def _script_flags() -> list[str]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -59,8 +63,15 @@ def test_peak_tflops_flag_wins(monkeypatch, tmp_path) -> None:
     assert not cache_file().exists()
 
 
+def _idle(monkeypatch, others: float = 0.0) -> None:
+    """The machine as idle (or ``others`` cores busy) while measuring, whatever else runs beside the test."""
+    monkeypatch.setattr(peak_flops, "load_average", lambda: 0.0)
+    monkeypatch.setattr(peak_flops, "others_busy", lambda fn: (fn(), others))
+
+
 def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _idle(monkeypatch)
     calls = []
 
     def fake_measure(dtype, device):
@@ -81,6 +92,31 @@ def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) 
     assert len(json.loads(cache_file().read_text())) == 2
 
 
+def test_peak_measured_on_a_busy_cpu_is_refused_and_not_cached(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", lambda *a: 0.01)
+    _idle(monkeypatch, others=1.0)
+    peak = resolve_peak(0.0, torch.float32, CPU)
+    assert peak.tflops == 0.0 and "CPU busy while measuring" in peak.source and "not cached" in peak.source
+    assert not cache_file().exists()
+    _idle(monkeypatch, others=0.2)  # noise below half a core: measured and cached
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.01 and cache_file().exists()
+
+
+def test_other_processes_busy_cores_are_seen() -> None:
+    """A spinning child process keeps about one core busy while this one sleeps (/proc/stat)."""
+    from megapost.utils.machine import others_busy
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        _, busy = others_busy(lambda: time.sleep(1.5))
+    finally:
+        child.wait()
+    assert busy > 0.6, busy  # the busy-peak refusal's threshold is 0.5 core
+
+
 def test_measurement_is_the_best_of_several_runs() -> None:
     tflops = peak_flops.measure_matmul_tflops(torch.float32, CPU, sizes=(64, 128), reps=2)
     assert 0 < tflops < 100
@@ -93,6 +129,7 @@ def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
     out = pretrain(tiny_model_flags(tiny_data, **{"--peak-tflops": 1e-9, "--train-iters": 3,
                                                  "--runs-dir": tmp_path / "runs"})).stdout
     assert out.count("warning: MFU") == 1 and "--remeasure-peak" in out
+    assert "MFU n/a (above 100%" in out and not re.search(r"\| MFU \d", out)  # never a figure > 100%
     quiet = pretrain(tiny_model_flags(tiny_data, **{"--peak-tflops": 1e6, "--train-iters": 2,
                                                    "--runs-dir": tmp_path / "runs2"})).stdout
     assert "warning: MFU" not in quiet

@@ -61,6 +61,7 @@ class _Save:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     written: int = 0
+    started_at: float = 0.0  # time.perf_counter() when the background thread began
     done_at: float = 0.0  # time.perf_counter() when the background write ended
     cpu_s: float = 0.0  # CPU time the background thread used
     snapshot: sharded.Snapshot | None = None  # until the training thread has waited for it
@@ -153,9 +154,15 @@ def _publish(job: _Save) -> None:
     folder.set_aside(job.iteration)  # after a rollback: tags of the abandoned timeline
     if job.keep:
         folder.retain(job.iteration, job.keep, job.every, job.interval)
+    if job.thread is not None:  # an async save, now published: its size and the write's seconds
+        final = os.path.join(job.directory, job.tag)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
+        print(f" async save complete: {final} ({size / 2**30:.3g} GB in "
+              f"{job.done_at - job.started_at:.1f} s)", flush=True)
 
 
 def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
+    job.started_at = time.perf_counter()
     try:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU

@@ -6,8 +6,8 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megapost.config.errors import ConfigError
-from megapost.config.parser import OneLineParser
+from megapost.config.errors import ConfigError, Errors
+from megapost.config.parser import OneLineParser, parse_collecting
 from megapost.config.presets import PRESETS
 from megapost.model.placements import PLACEMENTS
 
@@ -156,12 +156,16 @@ _NON_NEGATIVE = ("save_interval", "eval_interval", "eval_iters", "lr_warmup_iter
 
 
 def check_counts(args: argparse.Namespace) -> None:
-    """Counts and sizes must be positive (intervals may be 0 for off)."""
+    """Counts and sizes must be positive (intervals may be 0 for off); every bad one reported."""
+    typed, derived = Errors(), Errors()  # a derived value (--lr-decay-iters = --train-iters) only alone
     for dest, least in [(d, 1) for d in _POSITIVE] + [(d, 0) for d in _NON_NEGATIVE]:
         value = getattr(args, dest, None)
         if value is not None and value < least:
             kind = "positive" if least else "0 (off) or positive"
-            raise ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}")
+            error = ConfigError(f"--{dest.replace('_', '-')} {value}: must be {kind}")
+            (typed if dest in getattr(args, "explicit", ()) else derived).add(error)
+    typed.raise_all()
+    derived.raise_all()
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:
@@ -245,9 +249,14 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
     return {a.dest for a in parser._actions if typed.intersection(a.option_strings)}
 
 
-def parse_with_preset(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """Parse, then fill every flag the user did not type from ``--preset`` (typed flags win)."""
-    args = parser.parse_args(list(argv))
+def parse_with_preset(parser: argparse.ArgumentParser, argv: Sequence[str],
+                      errors: Errors | None = None) -> argparse.Namespace:
+    """Parse, then fill every flag the user did not type from ``--preset`` (typed flags win). With
+    ``errors``, every flag error is kept there and the rest of ``argv`` parsed (else the first raises)."""
+    if errors is None:
+        args = parser.parse_args(list(argv))
+    else:
+        args, argv = parse_collecting(parser, argv, errors)  # type: ignore[arg-type]
     args.explicit = explicit_dests(parser, argv)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
@@ -256,19 +265,27 @@ def parse_with_preset(parser: argparse.ArgumentParser, argv: Sequence[str]) -> a
     return args
 
 
-def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = ()) -> argparse.Namespace:
-    args = parse_with_preset(build_parser(plugin_classes), argv)
+def parse_args(argv: Sequence[str], plugin_classes: Sequence[type] = (),
+               errors: Errors | None = None) -> argparse.Namespace:
+    """Parse and check the flags; every error of them raised together (one line each), or kept in
+    ``errors`` for the caller to add its own checks' errors and raise them all."""
+    collect = errors if errors is not None else Errors()
+    args = parse_with_preset(build_parser(plugin_classes), argv, collect)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    from megapost.config.checkpoint_flags import check_checkpoint_arguments
     from megapost.config.megatron_flags import apply_megatron_arguments
     from megapost.config.megatron_habits import mapped_note, resolve_norm_position, typed_init_wins
 
     implied = [resolve_norm_position(args, argv), typed_init_wins(args)]
-    args.megatron_notes = apply_megatron_arguments(args)  # printed as "accepted ..."
-    from megapost.config.checkpoint_flags import check_checkpoint_arguments
-
-    args.megatron_notes += check_checkpoint_arguments(args)
+    args.megatron_notes, args.start_notes = [], []
+    with collect:
+        args.megatron_notes = apply_megatron_arguments(args)  # printed as "accepted ..."
+    with collect:
+        args.megatron_notes += check_checkpoint_arguments(args)
     args.start_notes = [n for n in (*implied, mapped_note(args, argv)) if n]  # printed as they are
+    if errors is None:
+        collect.raise_all()
     return args
 
 
@@ -285,9 +302,8 @@ def _check_query_groups(args: argparse.Namespace, tp: int) -> None:
                           "divide the other (K/V heads are split over TP ranks, or replicated when fewer)")
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Checks that need no data or model: batch arithmetic, layout, paths."""
-    check_counts(args)
+def _check_layout(args: argparse.Namespace, world_size: int) -> None:
+    """World size / TP x PP, the batch arithmetic over data-parallel ranks, ZeRO under PP."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ConfigError(
@@ -296,6 +312,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     dp = world_size // (tp * pp)
     args.data_parallel_size = dp
+    if args.micro_batch_size < 1:
+        return  # said by check_counts
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -310,22 +328,37 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's "
             "pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1"
         )
-    _check_query_groups(args, tp)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Checks that need no data or model: batch arithmetic, layout, paths; every failing check's error
+    raised together (one line each)."""
+    errors = Errors()
+    with errors:
+        check_counts(args)
+    with errors:
+        _check_layout(args, world_size)
+    tp = args.tensor_model_parallel_size
+    with errors:
+        _check_query_groups(args, max(1, tp))
     if args.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer {args.optimizer}: megapost supports adam (AdamW) or sgd")
+        errors.add(ConfigError(f"--optimizer {args.optimizer}: megapost supports adam (AdamW) or sgd"))
     if args.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
         args.sequence_parallel = False
         args.megatron_notes = [*getattr(args, "megatron_notes", []),
                                "--sequence-parallel (off: --tensor-model-parallel-size is 1, as Megatron)"]
-    _validate_tokenizer(args)
-    _validate_data(args)
+    with errors:
+        _validate_tokenizer(args)
+    with errors:
+        _validate_data(args)
     if args.max_consecutive_skipped_iterations < 1:
-        raise ConfigError(f"--max-consecutive-skipped-iterations {args.max_consecutive_skipped_iterations}: "
-                          "must be >= 1")
+        n = args.max_consecutive_skipped_iterations
+        errors.add(ConfigError(f"--max-consecutive-skipped-iterations {n}: must be >= 1"))
     if any(i < 1 for i in args.iterations_to_skip):
-        raise ConfigError(f"--iterations-to-skip {' '.join(map(str, args.iterations_to_skip))}: iterations "
-                          "count from 1")
+        errors.add(ConfigError(f"--iterations-to-skip {' '.join(map(str, args.iterations_to_skip))}: "
+                               "iterations count from 1"))
     if args.load and args.load_hf:
-        raise ConfigError("--load and --load-hf both given; --load resumes a run, --load-hf starts one")
+        errors.add(ConfigError("--load and --load-hf both given; --load resumes a run, --load-hf starts one"))
     if args.load and not os.path.isdir(args.load):
-        raise ConfigError(f"--load {args.load}: no such checkpoint directory")
+        errors.add(ConfigError(f"--load {args.load}: no such checkpoint directory"))
+    errors.raise_all()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from megapost.config.errors import ConfigError
+from megapost.config.errors import ConfigError, Errors
+from megapost.config.logging_flags import add_logging_arguments, check_logging_arguments
 from megapost.config.megatron_habits import add_habit_arguments, apply_habits
 
 # Flags without a value that ask for what megapost always does.
@@ -100,14 +101,13 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, help="vocabulary of --tokenizer-type NullTokenizer")
     g.add_argument("--num-workers", type=int, default=0,
                    help="accepted: samples are read from the memory-mapped .bin in the training process")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1,
-                   help="accepted: every iteration's scalars are written at each --log-interval")
     g.add_argument("--train-data-path", nargs="+", help="train blend (weights and prefixes)")
     g.add_argument("--valid-data-path", nargs="+", help="validation blend")
     g.add_argument("--test-data-path", nargs="+", help="test blend")
     g.add_argument("--data-args-path", help="file holding the --data-path list")
     g.add_argument("--per-split-data-args-path", help='JSON {"train": [...], "valid": [...], "test": [...]}')
     add_habit_arguments(g, p)
+    add_logging_arguments(g)
 
 
 def _refuse(flag: str, what: str) -> ConfigError:
@@ -119,9 +119,6 @@ def _compatibility_notes(args: argparse.Namespace) -> list[str]:
     notes = []
     if getattr(args, "deepspeed", False):
         notes.append("--deepspeed (megapost always trains through DeepSpeed)")
-    if "tensorboard_log_interval" in args.explicit:
-        notes.append(f"--tensorboard-log-interval {args.tensorboard_log_interval} (every iteration's "
-                     "scalars are written to TensorBoard at each --log-interval)")
     if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
         notes.append(f"--vocab-size {args.vocab_size} not used: the vocabulary comes from "
                      f"--tokenizer-type {args.tokenizer_type} (padded to --make-vocab-size-divisible-by)")
@@ -141,46 +138,68 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
             if d in args.explicit]
     if same:
         notes.append("with Megatron's meaning: " + ", ".join(same))
+    errors = Errors()
     for dest, (allowed, why) in CHOICES.items():
         value = getattr(args, dest)
         if value is not None and value not in allowed:
-            raise _refuse(f"--{dest.replace('_', '-')} {value}", f"not supported; {why}")
-        if value is not None:
+            errors.add(_refuse(f"--{dest.replace('_', '-')} {value}", f"not supported; {why}"))
+        elif value is not None:
             notes.append(f"--{dest.replace('_', '-')} {value} ({why})")
     notes += _compatibility_notes(args)
-    if args.fp16:
-        raise _refuse("--fp16", "fp16 with loss scaling is not supported; use --bf16")
-    if args.num_experts:
-        raise _refuse(f"--num-experts {args.num_experts}", "mixture-of-experts is not supported; "
-                      "megapost trains dense Llama blocks")
-    for flag in ("attention_dropout", "hidden_dropout"):
-        if getattr(args, flag):
-            raise _refuse(f"--{flag.replace('_', '-')} {getattr(args, flag)}",
-                          "dropout is not supported (the study trains without it); use 0")
-    if args.context_parallel_size != 1:
-        raise _refuse(f"--context-parallel-size {args.context_parallel_size}", "context parallelism is "
-                      "not supported; use --sequence-parallel with --tensor-model-parallel-size")
-    if args.rotary_percent != 1.0:
-        raise _refuse(f"--rotary-percent {args.rotary_percent}", "only full rotary embeddings (1.0)")
-    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
-        raise _refuse(f"--max-position-embeddings {args.max_position_embeddings}",
-                      f"is below --seq-length {args.seq_length}")
-    if args.kv_channels is not None and args.kv_channels * args.num_attention_heads != args.hidden_size:
-        raise _refuse(f"--kv-channels {args.kv_channels}", f"must equal --hidden-size {args.hidden_size} / "
-                      f"--num-attention-heads {args.num_attention_heads}")
-    _apply_schedule(args)
-    notes += _apply_recompute(args)
-    if args.use_distributed_optimizer:
-        if "zero_stage" in args.explicit and args.zero_stage == 0:
-            raise _refuse("--use-distributed-optimizer", "conflicts with --zero-stage 0")
-        if "zero_stage" not in args.explicit:
-            args.zero_stage = 1
-        notes.append(f"--use-distributed-optimizer -> ZeRO stage {args.zero_stage}")
+    for refusal in _refusals(args):
+        errors.add(refusal)
+    with errors:
+        _apply_schedule(args)
+    with errors:
+        notes += _apply_recompute(args)
+    with errors:
+        notes += _apply_distributed_optimizer(args)
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
-        raise _refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N")
+        errors.add(_refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N"))
     if args.num_workers:
         notes.append(f"--num-workers {args.num_workers} (samples are read from the mmap in-process)")
-    return notes + apply_habits(args)
+    with errors:
+        notes += apply_habits(args)
+    with errors:
+        notes += check_logging_arguments(args)
+    errors.raise_all()
+    return notes
+
+
+def _refusals(args: argparse.Namespace) -> list[ConfigError]:
+    """Megatron features megapost lacks, each refused in one line."""
+    out = []
+    if args.fp16:
+        out.append(_refuse("--fp16", "fp16 with loss scaling is not supported; use --bf16"))
+    if args.num_experts:
+        out.append(_refuse(f"--num-experts {args.num_experts}", "mixture-of-experts is not supported; "
+                           "megapost trains dense Llama blocks"))
+    for flag in ("attention_dropout", "hidden_dropout"):
+        if getattr(args, flag):
+            out.append(_refuse(f"--{flag.replace('_', '-')} {getattr(args, flag)}",
+                               "dropout is not supported (the study trains without it); use 0"))
+    if args.context_parallel_size != 1:
+        out.append(_refuse(f"--context-parallel-size {args.context_parallel_size}", "context parallelism "
+                           "is not supported; use --sequence-parallel with --tensor-model-parallel-size"))
+    if args.rotary_percent != 1.0:
+        out.append(_refuse(f"--rotary-percent {args.rotary_percent}", "only full rotary embeddings (1.0)"))
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        out.append(_refuse(f"--max-position-embeddings {args.max_position_embeddings}",
+                           f"is below --seq-length {args.seq_length}"))
+    if args.kv_channels is not None and args.kv_channels * args.num_attention_heads != args.hidden_size:
+        out.append(_refuse(f"--kv-channels {args.kv_channels}", f"must equal --hidden-size "
+                           f"{args.hidden_size} / --num-attention-heads {args.num_attention_heads}"))
+    return out
+
+
+def _apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:
+    if not args.use_distributed_optimizer:
+        return []
+    if "zero_stage" in args.explicit and args.zero_stage == 0:
+        raise _refuse("--use-distributed-optimizer", "conflicts with --zero-stage 0")
+    if "zero_stage" not in args.explicit:
+        args.zero_stage = 1
+    return [f"--use-distributed-optimizer -> ZeRO stage {args.zero_stage}"]
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

@@ -92,6 +92,14 @@ class LoggingConfig:
     peak_tflops: float
     remeasure_peak: bool
     megatron_notes: tuple[str, ...]
+    # Megatron-LM's logging flags (megapost.config.logging_flags), as the logger reads them
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    tensorboard_log_interval: int = 1
+    log_learning_rate_to_tensorboard: bool = True
+    log_gradient_norm_to_tensorboard: bool = True
+    log_batch_size_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +232,10 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
                                     a.finetune, a.no_load_optim, a.no_load_rng, a.ckpt_step),
         logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.runs_dir, a.run_name,
                               a.tensorboard_queue_size, a.peak_tflops, a.remeasure_peak,
-                              tuple(a.megatron_notes)),
+                              tuple(a.megatron_notes), a.log_params_norm, a.log_num_zeros_in_grad,
+                              a.tensorboard_log_interval, a.log_learning_rate_to_tensorboard,
+                              a.log_gradient_norm_to_tensorboard, a.log_batch_size_to_tensorboard,
+                              a.log_world_size_to_tensorboard),
         runtime=RuntimeConfig(a.train_iters, a.eval_interval, a.eval_iters, bool(a.bf16),
                               a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
                               a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,

@@ -36,6 +36,18 @@ def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor 
     return None
 
 
+def owned_master(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s fp32 master weight this rank owns, by the rule of ``owned_grad``: under
+    ZeRO 1/2 and the bf16 optimizer its fragment of the flat fp32 partition, else the parameter itself
+    (the master under fp32 ZeRO-0) on DP rank 0."""
+    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+        return None
+    if fragments.is_mapped(param):  # None: this rank's partition holds no element of param
+        owned = fragments.owned_fragment(param, (fragments.MASTER,))
+        return None if owned is None else owned[2][fragments.MASTER]
+    return param.detach() if dp_rank == 0 else None
+
+
 def loss_scale(engine: Any) -> float:
     """The fp16 dynamic loss scale the gradients still carry before the step (1 otherwise)."""
     fp16 = getattr(engine, "fp16_enabled", None)

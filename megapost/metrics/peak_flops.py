@@ -3,7 +3,8 @@
 Order: ``--peak-tflops``; else the vendor datasheet table below for a known accelerator (matched by
 ``torch.cuda.get_device_name()``); else a matmul peak measured on this machine (best of several sizes
 and repetitions) and cached per machine and dtype in ``~/.cache/megapost/peak_tflops.json``
-(``--remeasure-peak`` measures again).  A figure measured on a busy CPU is only a rough guide.
+(``--remeasure-peak`` measures again).  A CPU figure measured while other processes kept cores busy
+(the load average before, /proc/stat during the measurement) is refused: not cached, MFU unknown.
 
 Table values are dense (no 2:4 sparsity) tensor-core TFLOP/s per device as torch sees it (one MI250X
 GCD is one device: half the module's figure).  ``tf32`` is used for fp32 training when torch lets
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megapost.utils.atomic import atomic_write_text
+from megapost.utils.machine import load_average, local_ranks, others_busy
 
 # (pattern on the device name, table name, {precision: dense TFLOP/s}); first match wins.
 PEAK_TABLE: tuple[tuple[str, str, dict[str, float]], ...] = (
@@ -158,7 +160,13 @@ def measured_peak(dtype: torch.dtype, device: torch.device, remeasure: bool = Fa
         entry = cache[key]
         return Peak(float(entry["tflops"]), f"{where}, cached {entry.get('date', '?')} in {path}; "
                                             "--remeasure-peak to renew, --peak-tflops to set")
-    tflops = measure_matmul_tflops(dtype, device)
+    busy_before = max(0.0, load_average() - local_ranks())
+    tflops, busy = others_busy(lambda: measure_matmul_tflops(dtype, device))
+    busy = max(busy, busy_before)
+    if device.type == "cpu" and busy > busy_allowance():
+        return Peak(0.0, f"CPU busy while measuring its peak (other processes kept {busy:.1f} cores busy; "
+                    f"measured {tflops:.4g} TFLOP/s, not cached): MFU unknown; --peak-tflops to set, or "
+                    "measure again on an idle machine (--remeasure-peak)")
     cache[key] = {"tflops": tflops, "date": time.strftime("%Y-%m-%d %H:%M"),
                   "sizes": list(_CPU_SIZES if device.type == "cpu" else _SIZES), "reps": _REPS}
     try:
@@ -167,6 +175,12 @@ def measured_peak(dtype: torch.dtype, device: torch.device, remeasure: bool = Fa
     except OSError as e:
         stored = f"not cached: {e.strerror}"
     return Peak(tflops, f"{where}, best of several sizes x {_REPS} runs, {stored}")
+
+
+def busy_allowance() -> float:
+    """Cores other processes may keep busy while this rank measures: its sibling ranks' threads (they
+    measure alike, each on its share of the cores), plus half a core of noise."""
+    return (local_ranks() - 1) * torch.get_num_threads() + 0.5
 
 
 def resolve_peak(peak_tflops: float, dtype: torch.dtype, device: torch.device,

@@ -6,6 +6,10 @@ import os
 
 import torch
 
+from megapost.utils.machine import load_average, local_ranks, usable_cores
+
+__all__ = ["bf16_note", "cpu_flags", "local_ranks", "native_bf16", "set_threads"]
+
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -37,21 +41,16 @@ def bf16_note(bf16: bool, device: torch.device, flags: set[str] | None = None) -
             "steps than fp32; pass --no-bf16 (or --fp32) to train in fp32")
 
 
-def local_ranks() -> int:
-    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE, else 1."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return max(1, int(os.environ[key]))
-    return 1
-
-
 def set_threads() -> str:
-    """Torch threads per rank: OMP_NUM_THREADS when set, else the usable cores / local ranks (as torchrun
-    suggests); returns the start-line text."""
+    """Torch threads per rank: OMP_NUM_THREADS when set, else the cores not kept busy by other processes
+    (usable cores minus the 1-minute load average beyond this job's ranks, at least 1) divided among the
+    local ranks, at least 1; returns the start-line text."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return f"threads {torch.get_num_threads()}/rank (OMP_NUM_THREADS)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = local_ranks()
-    threads = max(1, cores // ranks)
+    cores, ranks = usable_cores(), local_ranks()
+    others = max(0.0, load_average() - ranks)  # this job's ranks are starting: not counted as others
+    free = max(1, int(cores - others + 0.5))
+    threads = max(1, min(cores, free) // ranks)
     torch.set_num_threads(threads)
-    return f"threads {threads}/rank ({cores} cores / {ranks} local ranks; OMP_NUM_THREADS to set)"
+    return (f"threads {threads}/rank ({cores} cores, {free} free at load {load_average():.1f}, / {ranks} "
+            "local ranks; OMP_NUM_THREADS to set)")

@@ -5,19 +5,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 from collections.abc import Iterator
 
 import deepspeed
 import torch
 
 from megapost.config.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megapost.utils.ports import free_port
 
 
 def skip_cpu_shm_op_build() -> None:
@@ -50,12 +44,19 @@ def device_index(device_count: int, local_rank: int | None = None) -> int:
     return rank % max(1, device_count)
 
 
+def check_backend(backend: str | None, device_type: str) -> None:
+    """``--distributed-backend nccl`` needs a CUDA device (checked at parse time and at init)."""
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
+                          "use --distributed-backend gloo, or leave the flag out")
+
+
 def init_distributed(local_rank: int | None, backend: str | None, timeout_minutes: float) -> torch.device:
     """Initialise torch.distributed (``backend``: --distributed-backend, None: by device) with a
     bounded timeout (--distributed-timeout-minutes); returns this rank's device."""
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():
         index = device_index(torch.cuda.device_count(), local_rank)
         torch.cuda.set_device(index)
@@ -63,10 +64,8 @@ def init_distributed(local_rank: int | None, backend: str | None, timeout_minute
     else:
         device = torch.device("cpu")
         skip_cpu_shm_op_build()
+    check_backend(backend, device.type)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("--distributed-backend nccl: no CUDA device on this machine (NCCL runs on GPUs); "
-                          "use --distributed-backend gloo, or leave the flag out")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     default_group_timeout(timeout)
     try:

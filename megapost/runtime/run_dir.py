@@ -30,6 +30,7 @@ def _use(args: argparse.Namespace, run_dir: str) -> None:
     """Point --save/--tensorboard-dir into ``run_dir`` unless typed; resume its checkpoint if any."""
     if "save" not in args.explicit:
         args.save = os.path.join(run_dir, "checkpoints")
+        args.save_in_run_dir = True  # not typed: said once at start-up, with the size (train.build)
     if "tensorboard_dir" not in args.explicit:
         args.tensorboard_dir = os.path.join(run_dir, "tensorboard")
     if "load" not in args.explicit and args.save and os.path.isfile(os.path.join(args.save, "latest")):

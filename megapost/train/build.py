@@ -155,6 +155,20 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     return trainer
 
 
+SAVED_BYTES_PER_PARAMETER = {"adam": 12, "sgd": 8}  # fp32 weight + the optimizer's fp32 state
+
+
+def _untyped_save_note(config: Config, args: argparse.Namespace) -> str | None:
+    """No --save typed, the run directory's checkpoints/ used: where, how large and when, once."""
+    ckpt = config.checkpoint
+    if not (ckpt.save and getattr(args, "save_in_run_dir", False)):
+        return None
+    size = config.model.num_parameters() * SAVED_BYTES_PER_PARAMETER[config.optimizer.optimizer]
+    when = f"every {ckpt.save_interval} iterations and at the end" if ckpt.save_interval else "at the end"
+    return (f"no --save typed: checkpoints go to the run directory, {ckpt.save} (~{size / 2**30:.3g} GB "
+            f"each: fp32 weights and optimizer state; {when}); pass --save DIR to put them elsewhere")
+
+
 def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: torch.device,
            notes: list[str]) -> None:
     """Resume, or start from --load-hf's weights; the start-up lines and the run's args.json."""
@@ -182,7 +196,7 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
                      "bound)")
     for note in config.logging.megatron_notes:
         monitor.line(f" megapost: accepted {note}")
-    for note in notes:
+    for note in notes + [n for n in (_untyped_save_note(config, args),) if n]:
         monitor.line(f" megapost: {note}")
     if pstate.is_logging_rank:  # args.json: every flag, the launch history and the resolved sections
         launches.write_record(argparse.Namespace(**config.flags), [config.logging.tensorboard_dir, ckpt.save],

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from megapost.checkpoint import finite_guard
+from megapost.config.resolved import LoggingConfig
+from megapost.engine import param_stats
 from megapost.engine.skips import SkipCounter
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput, memory_gb
@@ -35,17 +37,56 @@ def mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
     """``MFU 41.0% (causal 37.2%)``: Megatron's convention first; unknown without a peak."""
     if peak_tflops <= 0:
         return "MFU unknown: pass --peak-tflops"
+    if perf["mfu"] > 1.0:  # impossible: the peak it divides by is too low (warned once)
+        return "MFU n/a (above 100%: the peak is too low)"
     causal = f" (causal {100 * perf['mfu_causal']:.1f}%)" if "mfu_causal" in perf else ""
     return f"MFU {100 * perf['mfu']:.1f}%{causal}"
+
+class ParamStats:
+    """--log-params-norm and --log-num-zeros-in-grad (megapost.engine.param_stats): the zero count kept
+    as a device tensor at each logging step's optimizer step, both summed over ranks and read at log
+    time (every rank calls ``report`` at the same log lines)."""
+
+    def __init__(self, engine: Any, tp_rank: int, dp_rank: int) -> None:
+        self.engine, self.tp_rank, self.dp_rank = engine, tp_rank, dp_rank
+        self.zeros: dict[int, torch.Tensor] = {}
+
+    def count_zeros(self, step: int) -> None:
+        self.zeros[step] = param_stats.local_zeros_in_grad(self.engine, self.tp_rank, self.dp_rank)
+
+    def report(self, iteration: int, tokens_per_step: int, monitor: Monitor, options: LoggingConfig) -> str:
+        """The log line's ``params norm X | num zeros N | `` (TensorBoard: train/params_norm, num_zeros)."""
+        text, tb_step = "", iteration % options.tensorboard_log_interval == 0
+        if options.log_params_norm:
+            local = param_stats.local_params_sq(self.engine, self.tp_rank, self.dp_rank)
+            norm = math.sqrt(param_stats.world_sum(local).item())
+            text += f"params norm {norm:.3f} | "
+            if tb_step:
+                monitor.scalars("train", {"params_norm": norm}, iteration, iteration * tokens_per_step)
+        if self.zeros:
+            steps, local = list(self.zeros), torch.stack(list(self.zeros.values()))
+            counts = param_stats.world_sum(local).tolist()
+            for step, count in zip(steps, counts, strict=True):
+                if step % options.tensorboard_log_interval == 0:
+                    monitor.scalars("train", {"num_zeros": count}, step, step * tokens_per_step)
+            text += f"num zeros {counts[-1]:.0f} | " if steps[-1] == iteration else ""
+            self.zeros = {}
+        return text
+
 
 class TrainLogger:
     """Writes the steps a ``TrainState`` holds (``losses``, ``z_losses``) every ``log_interval``."""
 
     def __init__(self, monitor: Monitor, throughput: Throughput, memory: PeakMemory, device: torch.device,
-                 log_interval: int, train_iters: int, tokens_per_step: int, save_dir: str | None,
-                 dp_mean: Callable[[torch.Tensor], torch.Tensor], max_consecutive_skips: int = 10) -> None:
+                 options: LoggingConfig, train_iters: int, tokens_per_step: int, save_dir: str | None,
+                 dp_mean: Callable[[torch.Tensor], torch.Tensor], stats: ParamStats | None = None,
+                 global_batch_size: int = 0, max_consecutive_skips: int = 10) -> None:
+        """``options``: --log-interval and Megatron's logging flags; ``stats``: what --log-params-norm and
+        --log-num-zeros-in-grad read (None: neither is logged)."""
         self.monitor, self.throughput, self.memory, self.device = monitor, throughput, memory, device
-        self.log_interval, self.train_iters, self.tokens_per_step = log_interval, train_iters, tokens_per_step
+        self.log_interval, self.train_iters, self.tokens_per_step = options.log_interval, train_iters, \
+            tokens_per_step
+        self.options, self.stats, self.global_batch_size = options, stats, global_batch_size
         self.save_dir, self.dp_mean, self.max_consecutive_skips = save_dir, dp_mean, max_consecutive_skips
         self.skips = SkipCounter(device)  # build.py installs the engine's (megapost.engine.hooks)
         self._skipped_logged = 0
@@ -65,13 +106,9 @@ class TrainLogger:
             z = dict(zip(st.z_losses, self.dp_mean(torch.stack(list(st.z_losses.values()))).tolist(),
                          strict=True))
         for (step, _, _, _), loss, norm, lr in zip(st.losses, values, norms, lrs, strict=True):
-            tokens = step * self.tokens_per_step
-            scalars = {"lm_loss": loss, "lr": lr}
-            if norm is not None:
-                scalars["grad_norm"] = norm
-            if step in z:
-                scalars["z_loss"] = z[step]
-            self.monitor.scalars("train", scalars, step, tokens)
+            if step % self.options.tensorboard_log_interval == 0:
+                self.monitor.scalars("train", self._tb_scalars(loss, lr, norm, z.get(step)), step,
+                                     step * self.tokens_per_step)
         self.monitor.scalars("train", {"skipped_iterations": skipped}, st.iteration,
                              st.iteration * self.tokens_per_step)
         self._check_finite(st, values, norms, consecutive)
@@ -92,10 +129,36 @@ class TrainLogger:
                 raise finite_guard.non_finite_error(f"training loss is {value} (grad norm {norm})", step,
                                                     self.save_dir)
 
+    def _tb_scalars(self, loss: float, lr: float, norm: float | None, z: float | None) -> dict[str, float]:
+        """One iteration's TensorBoard scalars, as Megatron's --log-*-to-tensorboard flags ask."""
+        o = self.options
+        scalars = {"lm_loss": loss}
+        if o.log_learning_rate_to_tensorboard:
+            scalars["lr"] = lr
+        if norm is not None and o.log_gradient_norm_to_tensorboard:
+            scalars["grad_norm"] = norm
+        if z is not None:
+            scalars["z_loss"] = z
+        if o.log_batch_size_to_tensorboard:
+            scalars["batch_size"] = self.global_batch_size
+        if o.log_world_size_to_tensorboard:
+            scalars["world_size"] = self.throughput.world_size
+        return scalars
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.log_interval == 0 or step == self.train_iters
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Gradients reduced, not yet applied: --log-num-zeros-in-grad's count on logging steps only."""
+        if self.stats is not None and self.options.log_num_zeros_in_grad and self.is_log_step(step):
+            self.stats.count_zeros(step)
+
     def log(self, st: Any, force: bool = False) -> None:
         if not st.losses or not (force or st.iteration % self.log_interval == 0):
             return
         values, norms, lrs, skipped = self._write_steps(st)
+        extra = "" if self.stats is None else self.stats.report(st.iteration, self.tokens_per_step,
+                                                                 self.monitor, self.options)
         perf = self.throughput.report()
         if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
             self._peak_warned = True
@@ -104,12 +167,14 @@ class TrainLogger:
                               "peak measured while the machine was busy; measure it again with "
                               "--remeasure-peak on an idle machine, or pass --peak-tflops")
         perf["memory_gb"] = memory_gb(self.device)
-        self.monitor.scalars("throughput", perf, st.iteration, st.iteration * self.tokens_per_step)
+        shown = {k: v for k, v in perf.items() if not (k.startswith("mfu") and perf["mfu"] > 1.0)}
+        self.monitor.scalars("throughput", shown, st.iteration, st.iteration * self.tokens_per_step)
         lr = lrs[-1]
         gn = f"{norms[-1]:.3f}" if norms[-1] is not None else "n/a"
         self.monitor.line(
             f" iteration {st.iteration:6d}/{self.train_iters} | consumed samples {st.consumed_samples} | "
-            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | skipped iterations {skipped} | "
+            f"lm loss {values[-1]:.4f} | lr {lr:.3e} | grad norm {gn} | {extra}"
+            f"skipped iterations {skipped} | "
             f"tokens/s {perf['tokens_per_sec']:.0f} | TFLOP/s/dev {perf['tflops_per_device']:.3f} | "
             f"{mfu_text(perf, self.throughput.peak_tflops)} | mem {perf['memory_gb']:.2f} GB | "
             f"ETA {self.monitor.eta(st.iteration, self.start_iteration, self.train_iters)}"

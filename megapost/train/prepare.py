@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from megapost.checkpoint import data_identity, hf
 from megapost.checkpoint.folder import CheckpointFolder
@@ -17,7 +18,7 @@ from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir, read
 from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
 from megapost.config.deepspeed_json import reconcile_with_user_config
-from megapost.config.errors import ConfigError
+from megapost.config.errors import ConfigError, Errors
 from megapost.config.model_config import model_config_from_args
 from megapost.data import IndexedDataset
 from megapost.data.tokenizer import build_tokenizer
@@ -26,7 +27,7 @@ from megapost.model import ModelConfig
 from megapost.parallel import layout_errors
 from megapost.plugin_api import plugin_classes
 from megapost.runtime.cpu import set_threads
-from megapost.runtime.distributed import world_size_from_env
+from megapost.runtime.distributed import check_backend, world_size_from_env
 from megapost.runtime.run_dir import apply_named_run
 
 
@@ -73,23 +74,39 @@ def apply_hf_flags(args: argparse.Namespace) -> None:
         setattr(args, dest, value)
 
 
-def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[type]]:
-    """The flags (with --plugins' own) and the plugin classes."""
+def parse(argv: Sequence[str], errors: Errors | None = None) -> tuple[argparse.Namespace, list[type]]:
+    """The flags (with --plugins' own) and the plugin classes; ``errors``: see ``parse_args``."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugins", default="")
     classes = plugin_classes(pre.parse_known_args(argv)[0].plugins)
-    return parse_args(argv, classes), classes
+    return parse_args(argv, classes, errors), classes
+
+
+def check_flags(argv: Sequence[str], world_size: int) -> tuple[argparse.Namespace, list[type],
+                                                                 dict[str, Any]]:
+    """Parse and check every flag of ``argv``; all their errors raised together, one line each (unknown
+    flags, refused values, a layout that does not fit, a backend this machine lacks, ...)."""
+    errors = Errors()
+    args, classes = parse(argv, errors)
+    user_ds: dict[str, Any] = {}
+    with errors:
+        apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
+        args.start_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
+    with errors:
+        user_ds = reconcile_with_user_config(args)
+    with errors:
+        validate_args(args, world_size)
+    with errors:
+        check_backend(args.distributed_backend, "cuda" if torch.cuda.is_available() else "cpu")
+    errors.raise_all()
+    return args, classes, user_ds
 
 
 def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
     """Parse and validate ``argv`` for a job of ``world_size`` ranks (default: the launcher's)."""
-    args, classes = parse(argv)
-    threads = set_threads()  # before any heavy work: cores / local ranks unless OMP_NUM_THREADS
-    apply_named_run(args)  # --run-name: runs/<name>/..., resumed when it holds a checkpoint
-    args.start_notes += [n for n in (launches.fresh_start(args),) if n] + launches.reconcile_resume(args)
-    user_ds = reconcile_with_user_config(args)
     world_size = world_size_from_env() if world_size is None else world_size
-    validate_args(args, world_size)
+    args, classes, user_ds = check_flags(argv, world_size)
+    threads = set_threads()  # before any heavy work: cores / local ranks unless OMP_NUM_THREADS
     if args.load_hf:  # the model flags come from its config.json
         apply_hf_flags(args)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)

@@ -18,7 +18,7 @@ from megapost.plugin_api import Plugin
 from megapost.runtime.interrupts import last_checkpoint, resume_command
 from megapost.train.checkpoints import CheckpointManager
 from megapost.train.evaluator import Evaluator
-from megapost.train.logger import TrainLogger, host_norms
+from megapost.train.logger import ParamStats, TrainLogger, host_norms
 from megapost.train.plugin_host import PluginBatches, PluginHost
 from megapost.train.step import StepRunner
 from megapost.train.watchdog import Watchdog
@@ -54,9 +54,12 @@ class Trainer:
         self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step)
         throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops,
                                 config.model.flops_per_token(causal=True))
-        self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device,
-                                  config.logging.log_interval, run.train_iters, self.tokens_per_step,
-                                  ckpt.save, self.runner.dp_mean, run.max_consecutive_skipped_iterations)
+        log = config.logging
+        stats = ParamStats(engine, pstate.tp_rank, pstate.dp_rank) \
+            if log.log_params_norm or log.log_num_zeros_in_grad else None
+        self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device, log,
+                                  run.train_iters, self.tokens_per_step, ckpt.save, self.runner.dp_mean,
+                                  stats, data.global_batch_size, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
         self.host.bind(engine, self.snapshot, self.restore)
@@ -75,6 +78,7 @@ class Trainer:
     def before_optimizer_step(self) -> None:
         """The engine hook (megapost.engine.hooks): gradients reduced, not yet applied."""
         self.checkpoints.before_state_changes()  # an async save's snapshot is taken before the step
+        self.logger.before_optimizer_step(self.state.iteration + 1)  # --log-num-zeros-in-grad
         self.host.before_optimizer_step(self.state.iteration + 1)
 
     def evaluate(self) -> float:
@@ -163,6 +167,10 @@ class Trainer:
     def _train(self) -> dict[str, Any]:
         run, ckpt, log, st = self.config.runtime, self.config.checkpoint, self.config.logging, self.state
         self.logger.start_iteration = st.iteration
+        if st.iteration >= run.train_iters:  # a resumed run that is already done: no step, no save
+            self.monitor.line(f" nothing to train: the run is at iteration {st.iteration} of --train-iters "
+                              f"{run.train_iters}; raise --train-iters (or --train-samples) to go on")
+            return {"train_loss": {}, "valid_loss": {}, "grad_norm": {}, "memory": {}}
         if st.iteration == 0:
             self.runner.measure_at_init()
         self.runner.start_data(st.consumed_samples)

@@ -114,7 +114,9 @@ def attention_entropy(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[lis
 
 class Autopsy:
     def __init__(self, flags: Flags, out_dir: str | None) -> None:
-        self.flags, self.k = flags, flags.collapse_autopsy
+        self.k = flags.collapse_autopsy
+        self.hessian_every, self.power_iters = flags.collapse_autopsy_hessian_every, \
+            flags.collapse_autopsy_power_iters
         self.after = flags.collapse_autopsy_after if flags.collapse_autopsy_after is not None else 2 * self.k
         self.on = flags.collapse_autopsy_on
         self.path = Path(out_dir) / "autopsy.jsonl" if out_dir else None
@@ -168,8 +170,7 @@ class Autopsy:
         ent, norms = attention_entropy(model, self.probe["tokens"].to(next(model.parameters()).device))
         rec["attn_entropy"] = ent
         rec.update(norms)
-        if (step - self.window[0]) % self.flags.collapse_autopsy_hessian_every == 1 % \
-                self.flags.collapse_autopsy_hessian_every:
+        if (step - self.window[0]) % self.hessian_every == 1 % self.hessian_every:
             rec["sharpness_precond"] = self._sharpness(model, ctx)
             beta1 = ctx.optimizer_hyperparameters()["betas"][0]
             rec["eos_threshold"] = (2 + 2 * beta1) / ((1 - beta1) * rec["lr"]) if rec["lr"] else None
@@ -218,7 +219,7 @@ class Autopsy:
         u = [torch.randn(p.shape, generator=gen).to(device) for p in params]
         lam = math.nan
         try:
-            for _ in range(self.flags.collapse_autopsy_power_iters):
+            for _ in range(self.power_iters):
                 norm = math.sqrt(sum(float(x.pow(2).sum()) for x in u))
                 u = [x / norm for x in u]
                 d = [x * q for x, q in zip(u, pinv, strict=True)]  # P^-1/2 u

@@ -1,0 +1,181 @@
+"""Check that the numbers README.md quotes from a command are what the command prints today.
+
+    python tools/readme_numbers.py                 # the planner examples (seconds)
+    python tools/readme_numbers.py --slow          # also the main job's validation losses (~3-10 min)
+    python tools/readme_numbers.py --readme X.md   # another copy
+
+Covered:
+  * every planner example block: a fenced block whose ``$ python -m megapost.plan ...`` lines are rerun
+    (``{a,b,c}`` in a flag's value: one run per value, in order) and whose result lines
+    (``N GPUs:  <layout>  peak X GiB  S s/step  T tokens/s  (F of C ...)``, optionally
+    ``(the paper's mbK: Y GiB)``) are compared with the planner's ``--json`` recommendation;
+  * ``--slow``: the main job's ``validation loss a / b / c / d at steps i / j / k / l`` (Post-Norm,
+    ``bash examples/pretrain_postnorm.sh``) against its ``validation at iteration N | lm loss X`` lines,
+    and its ``COLLAPSED at step N``.
+Tolerance: a quoted number matches when it is within 1% of the rerun's value or within half a unit of
+its last printed digit (README rounding), whichever is wider; layouts and counts must be equal; losses
+within 0.02. Exit 1 with one line per drift (or per line it cannot read), else a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REL_TOL = 0.01
+LOSS_TOL = 0.02
+SUFFIX = {"": 1.0, "k": 1e3, "M": 1e6, "B": 1e9}
+RESULT = re.compile(
+    r"^\s*(?P<gpus>\d+) GPUs:\s+(?P<layout>TP\S+ PP\d+ DP\d+\s+ZeRO-\d mb\d+)\s+peak (?P<peak>[\d.]+) GiB\s+"
+    r"(?P<step>[\d.]+) s/step\s+(?P<tps>[\d.]+)(?P<tps_unit>[kMB]?) tokens/s\s+\((?P<rest>.*)\)\s*$")
+FIT = re.compile(r"^(?P<fit>\d+) of (?P<cand>\d+)")
+PAPER_MB = re.compile(r"the paper's mb(?P<mb>\d+): (?P<peak>[\d.]+) GiB")
+
+
+@dataclass
+class Check:
+    where: str  # README line number and the quoted text
+    quoted: str
+    actual: float | str
+
+
+def _close(quoted: str, actual: float, unit: float = 1.0) -> bool:
+    """Within REL_TOL or half a unit of the quoted number's last digit."""
+    value = float(quoted) * unit
+    decimals = len(quoted.split(".")[1]) if "." in quoted else 0
+    half_digit = 0.5 * 10 ** -decimals * unit
+    return abs(value - actual) <= max(REL_TOL * abs(actual), half_digit)
+
+
+def planner_blocks(text: str) -> list[tuple[int, str, list[tuple[int, str]]]]:
+    """(line number, command, [(line number, result line)]) of each ``$ python -m megapost.plan``."""
+    blocks, lines, current = [], text.splitlines(), None
+    for number, line in enumerate(lines, 1):
+        if line.startswith("$ python -m megapost.plan"):
+            current = (number, line[2:].split("#", 1)[0].strip(), [])
+            blocks.append(current)
+        elif line.startswith(("$", "```")):
+            current = None
+        elif current is not None and line.strip():
+            current[2].append((number, line))
+    return blocks
+
+
+def expand(command: str) -> list[list[str]]:
+    """``--gpus {8,64}`` -> one argv per value."""
+    words = command.split()
+    choices = [w[1:-1].split(",") if w.startswith("{") and w.endswith("}") else [w] for w in words]
+    return [list(combo) for combo in itertools.product(*choices)]
+
+
+def plan_json(argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, *argv[1:], "--json"], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"error: {' '.join(argv)} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def _short(label: str) -> str:
+    """``TP1 PP1 DP8 ZeRO-2 mb16 ga2 -`` -> ``TP1 PP1 DP8 ZeRO-2 mb16`` (what the README quotes)."""
+    return " ".join(label.split()[:5])
+
+
+def check_result(number: int, line: str, plan: dict) -> tuple[list[str], int]:
+    """Drift lines of one README result line against the rerun's JSON; and how many numbers it covers."""
+    m = RESULT.match(line)
+    if not m:
+        return [f"README.md:{number}: cannot read this planner line: {line.strip()}"], 0
+    rec, where = plan["recommended"], f"README.md:{number}"
+    checks: list[tuple[bool, str]] = [
+        (m["gpus"] == str(plan["cluster"]["gpus"]), f"{m['gpus']} GPUs vs {plan['cluster']['gpus']}"),
+        (" ".join(m["layout"].split()) == _short(rec["label"]), f"layout {m['layout']!r} vs "
+         f"{_short(rec['label'])!r}"),
+        (_close(m["peak"], rec["peak_gb"]), f"peak {m['peak']} GiB vs {rec['peak_gb']:.4g}"),
+        (_close(m["step"], rec["step_seconds"]), f"{m['step']} s/step vs {rec['step_seconds']:.4g}"),
+        (_close(m["tps"], rec["tokens_per_second"], SUFFIX[m["tps_unit"]]),
+         f"{m['tps']}{m['tps_unit']} tokens/s vs {rec['tokens_per_second']:.4g}"),
+    ]
+    fit = FIT.match(m["rest"])
+    if fit:
+        fitting = len(plan["fitting"])
+        checks += [(int(fit["fit"]) == fitting, f"{fit['fit']} layouts fit vs {fitting}"),
+                   (int(fit["cand"]) == plan["candidates"], f"of {fit['cand']} vs {plan['candidates']}")]
+    paper = PAPER_MB.search(m["rest"])
+    if paper:
+        want = _short(rec["label"]).rsplit(" mb", 1)[0] + f" mb{paper['mb']}"
+        same = [f["peak_gb"] for f in plan["fitting"] if _short(f["label"]) == want]
+        other = f"{same[0]:.4g}" if same else "no such layout"
+        checks.append((bool(same) and _close(paper["peak"], same[0]),
+                       f"mb{paper['mb']} peak {paper['peak']} GiB vs {other}"))
+    return [f"{where}: {what}" for ok, what in checks if not ok], len(checks)
+
+
+def check_planner(text: str) -> tuple[list[str], int]:
+    drifts, covered = [], 0
+    for number, command, results in planner_blocks(text):
+        runs = expand(command)
+        if len(runs) != len(results):
+            drifts.append(f"README.md:{number}: {len(runs)} runs but {len(results)} result lines")
+            continue
+        for argv, (line_no, line) in zip(runs, results, strict=True):
+            found, n = check_result(line_no, line, plan_json(argv))
+            drifts += found
+            covered += n
+    return drifts, covered
+
+
+MAIN_LOSSES = re.compile(r"validation loss ((?:[\d.]+ / )+[\d.]+) at steps ((?:\d+ / )+\d+)")
+MAIN_COLLAPSE = re.compile(r"`\[collapse\] COLLAPSED at step (\d+):")
+
+
+def check_main_job(text: str) -> tuple[list[str], int]:
+    """``--slow``: rerun the main job (one process) and compare its validation losses and alarm step."""
+    losses, collapse = MAIN_LOSSES.search(text), MAIN_COLLAPSE.search(text)
+    if not losses:
+        return ["README.md: no 'validation loss a / b / ... at steps i / j / ...' quote of the main job"], 0
+    proc = subprocess.run(["bash", "examples/pretrain_postnorm.sh"], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        return [f"examples/pretrain_postnorm.sh failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"], 0
+    ran = {int(i): float(v) for i, v in re.findall(r"validation at iteration (\d+) \| lm loss ([\d.]+)",
+                                                   proc.stdout)}
+    drifts = []
+    pairs = list(zip(losses[2].split(" / "), losses[1].split(" / "), strict=True))
+    for step, quoted in pairs:
+        got = ran.get(int(step))
+        if got is None or abs(got - float(quoted)) > LOSS_TOL:
+            drifts.append(f"README.md: main job validation loss at step {step}: {quoted} vs {got}")
+    if collapse:
+        got = re.search(r"COLLAPSED at step (\d+)", proc.stdout)
+        if not got or got[1] != collapse[1]:
+            seen = got[1] if got else "none"
+            drifts.append(f"README.md: main job collapse at step {collapse[1]} vs {seen}")
+    return drifts, len(pairs) + bool(collapse)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--readme", default=str(REPO / "README.md"))
+    p.add_argument("--slow", action="store_true", help="also rerun the main job (~3-10 min on 2 cores)")
+    a = p.parse_args(argv)
+    text = Path(a.readme).read_text()
+    drifts, covered = check_planner(text)
+    parts = [f"planner: {covered} numbers"]
+    if a.slow:
+        more, n = check_main_job(text)
+        drifts, parts = drifts + more, parts + [f"main job: {n} numbers"]
+    for line in drifts:
+        print(f"drift: {line}")
+    print(f"readme numbers: {', '.join(parts)} checked; {len(drifts)} drift(s) beyond tolerance "
+          f"(1% or the last printed digit; losses {LOSS_TOL})")
+    return 1 if drifts else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
