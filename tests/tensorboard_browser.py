@@ -56,7 +56,11 @@ def tensorboard(logdir: Path, runs: int, timeout: float = 120.0) -> Iterator[str
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Browser:
@@ -73,8 +77,9 @@ class Browser:
             opts.add_argument(arg)
         self.driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or CHROMEDRIVER),
                                        options=opts)
-        self.driver.set_script_timeout(180)  # walking every shadow root is slow on a busy machine
-        self.driver.set_page_load_timeout(180)
+        self.driver.command_executor.client_config.timeout = 600  # a busy machine: slow pages
+        self.driver.set_script_timeout(300)  # walking every shadow root is slow on a busy machine
+        self.driver.set_page_load_timeout(300)
 
     def read(self, url: str, page: str, shot: Path, timeout: float = 120.0) -> dict[str, Any]:
         """Open ``page`` (#scalars, ...), wait until every card has drawn lines (images: loaded), two reads

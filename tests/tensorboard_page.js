@@ -24,7 +24,7 @@ walk(root, e => {
   walk(e.shadowRoot || e, p => {
     const t = p.tagName.toLowerCase();
     if (t === 'path' && (p.getAttribute('class') || '').split(' ').includes('line') && (p.getAttribute('d') || '').length > 5) {
-      paths += 1; colours.add(getComputedStyle(p).stroke);
+      paths += 1; colours.add(p.style.stroke || p.getAttribute('stroke') || '');
     }
     if (t === 'tf-card-heading' && !heading) heading = text(p);
   });

@@ -92,6 +92,8 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert {t for t in scalars if re.search(regex, t)} == {f"{p}/t_sim/L02/{k}/y" for k in ("attn", "ffn")}
     layer_regex = charts[("key layers", "L03 grad norm of the layer")][0]
     assert {t for t in scalars if re.search(layer_regex, t)} == {f"{p}/grad_norm/L03"}
+    assert [p for p in tmp_path.rglob("*tfevents*") if p.parent != tmp_path] == []  # one run, no sub-runs
+    assert all(len({t for t in scalars if any(re.match(r, t) for r in rs)}) <= 3 for rs in charts.values())
     summary = charts[("depth", "alpha: min, mean, max across layers")][0]
     assert {t for t in scalars if re.search(summary, t)} == {f"collapse/depth/alpha/{s}"
                                                              for s in ("min", "mean", "max")}

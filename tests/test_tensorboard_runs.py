@@ -1,6 +1,7 @@
 """One TensorBoard run per training run, readable at the paper's 48 layers: a Post-Norm 48-layer and a
 Pre-Norm 4-layer run through the real trainer, read back with TensorBoard's own loader. (The rendered
-page in headless Chromium: test_tensorboard_browser.py, -m slow.)"""
+page in headless Chromium: test_tensorboard_browser.py; both -m slow. The default suite's cheap checks
+are in test_collapse_outputs.py and test_collapse_alarm.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 import numpy as np
 import pytest
 from tensorboard_utils import chart_lines, custom_charts, runs_and_tags, train_runs
+
+pytestmark = pytest.mark.slow  # two real trainings (48 and 4 layers): ~100 s on 2 busy cores
 
 KEY_48 = {1, 13, 25, 36, 48}  # first, quartiles (12.75 -> 13, 24.5 -> 25, 36.25 -> 36), last of 1..48
 
