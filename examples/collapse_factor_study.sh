@@ -43,6 +43,7 @@ sweep() {  # sweep NAME [collapse_boundary flags...]: one bracket folder, its st
   local name=$1 t0 rc=0
   shift
   t0=$(date +%s)
+  mkdir -p "$OUT/$name"
   echo "$(date -u +%H:%M:%S) started  $name: $*" >> "$OUT/STATUS.md"
   # shellcheck disable=SC2046
   python tools/collapse_boundary.py --out "$OUT/$name" $(vocab 2048) "${COMMON[@]}" "$@" "${EXTRA[@]}" \
@@ -58,8 +59,8 @@ part_depth() {  # warmup x depth
     sweep "warmup_depth/L${L}_w$w" --depths "$L" --warmup "$w" --iters $(( w + 130 > 150 ? w + 130 : 150 ))
   done; done
 }
-part_width() {  # widths above 256 at 4 layers (one seed, 1 bisection: each run is ~50-150x the base's)
-  for d in 512 768; do sweep "width/d$d" --widths "$d" --seeds 1 --bisect-steps 1 --heads 8; done
+part_width() {  # widths above 256 at 4 layers, 4 heads as the 64-256 grid (one seed, 1 bisection: costly runs)
+  for d in 512 768; do sweep "width/d$d" --widths "$d" --seeds 1 --bisect-steps 1; done
 }
 part_paper() {  # the paper's shape 512 x 48 (8 heads) at seq 16 x batch 4, 60 steps, one seed
   sweep "paper_512x48" --widths 512 --depths 48 --heads 8 --seq-length 16 --batch 4 --iters 60 --seeds 1 \
