@@ -265,6 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"~{took / rnd * left / 60:.1f} min", flush=True)
         finally:
             args.pool.close()
+    if len(points) == 1:  # one grid point (a factor study's setting): its bracket, no power-law fit
+        b = points[0]
+        print(f"[boundary] d={b.width} L={b.depth}: {b.status} [{b.lo:.4g}, {b.hi:.4g}] (one grid point: "
+              "no fit; brackets.json and results.csv hold the probes)")
+        return 0
     try:
         report(args, points)
     except ValueError as e:
