@@ -96,3 +96,46 @@ def test_persistent_workers_give_the_runs_of_one_process_per_run(tiny_data, tmp_
             same = [k for k in a if k not in ("seconds", "engine")]
             assert {k: a[k] for k in same} == {k: b[k] for k in same}
             assert a["final_loss"] and a["outcome"] in {"collapsed", "plateau", "trained"}
+
+
+def test_boundary_from_the_law_with_adaptive_seeds_on_one_point(tmp_path, monkeypatch, capsys):
+    """collapse_boundary.main with its runs replaced by a known threshold (collapse iff lr >= 0.01): the
+    first bracket is the shipped law's lr*(64, 4) x [1/2, 2] (computed here from the JSON's coefficients),
+    each probe of 3 planned seeds stops after 2 agreeing ones, every run is a results.csv row, and a
+    one-point grid ends with its bracket (exit 0, no fit)."""
+    import json
+    import math
+
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import collapse_boundary
+
+    law = REPO / "megapost" / "plan" / "collapse_boundary_post.json"
+    fit = json.loads(law.read_text())["fit"]
+    star = math.exp(fit["log_a"] + fit["b_width"] * math.log(64) + fit["c_depth"] * math.log(4))
+    ran = []
+
+    def fake_run(args, cell, freq):
+        ran.append((cell.lr, cell.seed))
+        hit = cell.lr >= 0.01
+        return {"outcome": "collapsed" if hit else "trained", "final_grad_ratio": 0.0 if hit else 1.0,
+                "lr": cell.lr, "seed": cell.seed}
+
+    monkeypatch.setattr(collapse_boundary, "run_cell", fake_run)
+    monkeypatch.setattr(collapse_boundary, "train_split_frequency_loss",
+                        lambda *a: type("F", (), {"aggregated": 6.5})())
+    monkeypatch.setattr(collapse_boundary, "SentencePieceTokenizer",
+                        lambda m: type("T", (), {"vocab_size": 64}))
+    out = tmp_path / "b"
+    assert collapse_boundary.main(["--out", str(out), "--data-path", str(tmp_path / "d"), "--tokenizer-model",
+                                   "t.model", "--widths", "64", "--depths", "4", "--seeds", "1,2,3", "--jobs",
+                                   "2", "--lr-from-law", str(law), "--law-factor", "2", "--bisect-steps",
+                                   "2"]) == 0
+    lrs = list(dict.fromkeys(lr for lr, _ in ran))
+    assert lrs[:2] == pytest.approx([star / 2, star * 2], rel=1e-3)
+    assert sorted(s for lr, s in ran if lr == lrs[0]) == [1, 2]  # 2 agreeing seeds decide a 3-seed vote
+    assert len(ran) == 2 * len(lrs) == 8
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == 8 and sorted({float(r["lr"]) for r in rows}) == sorted(lrs)
+    (b,) = json.loads((out / "brackets.json").read_text())
+    assert b["lo"] < 0.01 <= b["hi"]
+    assert "one grid point: no fit" in capsys.readouterr().out
