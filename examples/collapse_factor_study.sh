@@ -62,9 +62,9 @@ part_depth() {  # warmup x depth
 part_width() {  # widths above 256 at 4 layers, 4 heads as the 64-256 grid (one seed, 1 bisection: costly runs)
   for d in 512 768; do sweep "width/d$d" --widths "$d" --seeds 1 --bisect-steps 1; done
 }
-part_paper() {  # the paper's shape 512 x 48 (8 heads) at seq 16 x batch 4, 60 steps, one seed
-  sweep "paper_512x48" --widths 512 --depths 48 --heads 8 --seq-length 16 --batch 4 --iters 60 --seeds 1 \
-    --bisect-steps 1 --interval 2
+part_paper() {  # the paper's shape 512 x 48 (8 heads) at seq 16 x batch 4, 40 steps, warmup 10, one seed
+  sweep "paper_512x48" --widths 512 --depths 48 --heads 8 --seq-length 16 --batch 4 --iters 40 --warmup 10 \
+    --seeds 1 --bisect-steps 1 --interval 2
 }
 part_w2000() { sweep "warmup/w2000" --warmup 2000 --iters 2130 --seeds 1,2 --interval 20; }
 part_factors() {  # one factor at a time from the base shape
