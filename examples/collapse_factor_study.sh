@@ -40,14 +40,19 @@ vocab() {  # vocab N: the --data-path/--tokenizer-model flags of that vocabulary
 }
 
 sweep() {  # sweep NAME [collapse_boundary flags...]: one bracket folder, its status line in $OUT/STATUS.md
-  local name=$1 t0 rc=0
+  local name=$1 t0 rc=0 lock
   shift
   t0=$(date +%s)
   mkdir -p "$OUT/$name"
+  exec {lock}>"$OUT/$name/.lock"
+  if ! flock -n "$lock"; then  # another driver is on this sweep: two on one folder would race on its cells
+    echo "$(date -u +%H:%M:%S) skipped  $name (another driver holds it)" >> "$OUT/STATUS.md"; return 0
+  fi
   echo "$(date -u +%H:%M:%S) started  $name: $*" >> "$OUT/STATUS.md"
   # shellcheck disable=SC2046
   python tools/collapse_boundary.py --out "$OUT/$name" $(vocab 2048) "${COMMON[@]}" "$@" "${EXTRA[@]}" \
     > "$OUT/$name.log" 2>&1 || rc=$?
+  flock -u "$lock"
   echo "$(date -u +%H:%M:%S) finished $name (exit $rc, $(( $(date +%s) - t0 )) s, $(tail -n +2 "$OUT/$name/results.csv" 2>/dev/null | wc -l) runs)" >> "$OUT/STATUS.md"
 }
 
