@@ -116,7 +116,7 @@ def test_sweep_resumes_without_running_and_writes_probabilities(tiny_data, tmp_p
     def no_run(*a, **k):
         raise AssertionError("a finished cell was run again")
 
-    monkeypatch.setattr(stability_sweep.subprocess, "call", no_run)
+    monkeypatch.setattr(stability_sweep, "train", no_run)  # the one place a cell is trained
     argv = ["--out", str(out), "--data-path", tiny_data.prefix, "--tokenizer-model",
             tiny_data.tokenizer_model, "--depths", "2", "--lrs", "0.1", "--warmups", "0", "--variants",
             "post", "--seeds", "1,2,3", "--jobs", "2"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 
@@ -54,6 +55,15 @@ def test_scaling_study_guard_part(tiny_data, tmp_path):
     assert guarded["collapse_guard_remedy"] == "rewarm" and guarded["collapse_guard_on"] == "early"
 
 
+def _without_training(monkeypatch, collapse_boundary, fake_run) -> None:
+    """collapse_boundary with its runs replaced by ``fake_run`` (and no corpus or tokenizer read)."""
+    monkeypatch.setattr(collapse_boundary, "run_cell", fake_run)
+    monkeypatch.setattr(collapse_boundary, "train_split_frequency_loss",
+                        lambda *a: type("F", (), {"aggregated": 6.5})())
+    monkeypatch.setattr(collapse_boundary, "SentencePieceTokenizer",
+                        lambda m: type("T", (), {"vocab_size": 64}))
+
+
 def test_boundary_loop_widens_bisects_and_reports(tmp_path, monkeypatch, capsys):
     """collapse_boundary.main with its trainer runs replaced by a known law (collapse iff lr >= 0.05 d^-0.5
     L^-1, two points below the default range's 3e-3): the probing loop widens the bracket where both ends
@@ -71,11 +81,7 @@ def test_boundary_loop_widens_bisects_and_reports(tmp_path, monkeypatch, capsys)
         return {"outcome": "collapsed" if collapsed else "trained",
                 "final_grad_ratio": 0.0 if collapsed else 1.0}
 
-    monkeypatch.setattr(collapse_boundary, "run_cell", fake_run)
-    monkeypatch.setattr(collapse_boundary, "train_split_frequency_loss",
-                        lambda *a: type("F", (), {"aggregated": 6.5})())
-    monkeypatch.setattr(collapse_boundary, "SentencePieceTokenizer",
-                        lambda m: type("T", (), {"vocab_size": 64}))
+    _without_training(monkeypatch, collapse_boundary, fake_run)
     out = tmp_path / "b"
     assert collapse_boundary.main(["--out", str(out), "--data-path", str(tmp_path / "d"), "--tokenizer-model",
                                    "t.model", "--widths", "16,64", "--depths", "2,8", "--seeds", "1,2",
@@ -93,3 +99,39 @@ def test_boundary_loop_widens_bisects_and_reports(tmp_path, monkeypatch, capsys)
     assert (out / "boundary.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "verify.sh").read_text().startswith("#!/usr/bin/env bash\npython -m megapost.pretrain")
     assert "[boundary] round 1 done" in capsys.readouterr().out
+
+
+def test_boundary_from_the_law_with_adaptive_seeds_on_one_point(tmp_path, monkeypatch, capsys):
+    """collapse_boundary.main with its runs replaced by a known threshold (collapse iff lr >= 0.01): the
+    first bracket is the shipped law's lr*(64, 4) x [1/2, 2] (computed here from the JSON's coefficients),
+    each probe of 3 planned seeds stops after 2 agreeing ones, every run is a results.csv row, and a
+    one-point grid ends with its bracket (exit 0, no fit)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import collapse_boundary
+
+    law = REPO / "megapost" / "plan" / "collapse_boundary_post.json"
+    fit = json.loads(law.read_text())["fit"]
+    star = math.exp(fit["log_a"] + fit["b_width"] * math.log(64) + fit["c_depth"] * math.log(4))
+    ran = []
+
+    def fake_run(args, cell, freq):
+        ran.append((cell.lr, cell.seed))
+        hit = cell.lr >= 0.01
+        return {"outcome": "collapsed" if hit else "trained", "final_grad_ratio": 0.0 if hit else 1.0,
+                "lr": cell.lr, "seed": cell.seed}
+
+    _without_training(monkeypatch, collapse_boundary, fake_run)
+    out = tmp_path / "b"
+    assert collapse_boundary.main(["--out", str(out), "--data-path", str(tmp_path / "d"), "--tokenizer-model",
+                                   "t.model", "--widths", "64", "--depths", "4", "--seeds", "1,2,3", "--jobs",
+                                   "2", "--lr-from-law", str(law), "--law-factor", "2", "--bisect-steps",
+                                   "2"]) == 0
+    lrs = list(dict.fromkeys(lr for lr, _ in ran))
+    assert lrs[:2] == pytest.approx([star / 2, star * 2], rel=1e-3)
+    assert sorted(s for lr, s in ran if lr == lrs[0]) == [1, 2]  # 2 agreeing seeds decide a 3-seed vote
+    assert len(ran) == 2 * len(lrs) == 8
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == 8 and sorted({float(r["lr"]) for r in rows}) == sorted(lrs)
+    (b,) = json.loads((out / "brackets.json").read_text())
+    assert b["lo"] < 0.01 <= b["hi"]
+    assert "one grid point: no fit" in capsys.readouterr().out

@@ -25,14 +25,16 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from collapse_metrics.analysis.boundary import Bracket, fit_power_law
 from collapse_metrics.corpus import train_split_frequency_loss
-from stability_sweep import Cell, ints, parse_variant, run_cell
+from stability_sweep import Cell, add_run_flags, ints, parse_variant, run_cell
+from sweep_engine import make_pool, run_probes
+from sweep_results import collapsed, write_csv
 
 from megapost.config.presets import PRESETS
 from megapost.data import SentencePieceTokenizer
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=ints, default=[1, 2, 3])
     p.add_argument("--lr-lo", type=float, default=3e-3)
     p.add_argument("--lr-hi", type=float, default=1e-1)
+    p.add_argument("--lr-from-law", metavar="FIT", default=None,
+                   help="start each point's bracket at FIT's lr*(d, L) x [1/F, F] (a boundary.json, e.g. "
+                   "megapost/plan/collapse_boundary_post.json) instead of [--lr-lo, --lr-hi]")
+    p.add_argument("--law-factor", type=float, default=2.0, metavar="F", help="see --lr-from-law")
+    p.add_argument("--adaptive-seeds", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop a probe's seeds once its majority vote cannot change (seeds in order)")
     p.add_argument("--lr-widen", type=float, default=10.0,
                    help="factor an end moves out by when both ends collapse (or neither does)")
     p.add_argument("--lr-min", type=float, default=1e-5, help="no probe below this: status 'below'")
@@ -66,13 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--split", default="969,30,1")
-    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--nice", type=int, default=10)
-    p.add_argument("--collapse-grad-ratio", type=float, default=1e-2, metavar="R",
-                   help="a run counts as collapsed when it ends collapsed (outcome.py) with a final "
-                   "first/last-layer gradient ratio <= R (the collapsed state; a short healthy run still "
-                   "on the initial unigram plateau has t_sim ~1 and loss ~L too, but live "
-                   "gradients); 0: the outcome alone")
+    add_run_flags(p)
     p.add_argument("--presets", default=",".join(LADDER), help="presets to extrapolate to")
     p.add_argument("--plot-only", action="store_true", help="refit/replot from <out>/brackets.json")
     return p
@@ -84,27 +86,46 @@ def _cell_args(args: argparse.Namespace, width: int) -> argparse.Namespace:
     return a
 
 
-def collapsed(result: dict, grad_ratio: float) -> bool:
-    """The run ended in the collapsed state (see --collapse-grad-ratio)."""
-    ratio = result.get("final_grad_ratio")
-    live = ratio is None or ratio > grad_ratio
-    return result["outcome"] == "collapsed" and (grad_ratio <= 0 or not live)
-
-
 def probe(args: argparse.Namespace, points: list[Bracket], freq: float) -> None:
-    """One lock-step round: every open point's next lr over all seeds, then each bracket is narrowed."""
-    jobs = [(b, lr) for b in points for lr in b.next_lrs()]
-    work = [(b, lr, Cell(args.variant, b.depth, lr, args.warmup, s)) for b, lr in jobs for s in args.seeds]
+    """One lock-step round: every open point's next lrs over the seeds (adaptive: until the vote is
+    decided), then each bracket is narrowed; results.csv holds every run so far."""
+    jobs = {(i, lr): list(args.seeds) for i, b in enumerate(points) for lr in b.next_lrs()}
     start = time.monotonic()
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda w: run_cell(_cell_args(args, w[0].width), w[2], freq), work))
-    for b, lr in jobs:
-        outs = [r for (bb, ll, _), r in zip(work, results, strict=True) if bb is b and ll == lr]
-        done = [r for r in outs if r is not None]
+
+    def one(key: tuple[int, float], seed: int) -> dict | None:
+        b = points[key[0]]
+        cell = Cell(args.variant, b.depth, key[1], args.warmup, seed)
+        result = run_cell(_cell_args(args, b.width), cell, freq)
+        if result is not None:
+            with args.rows_lock:
+                args.rows[(b.width, b.depth, key[1], seed)] = result
+                write_csv(Path(args.out) / "results.csv", [args.rows[k] for k in sorted(args.rows)])
+        return result
+
+    decided = run_probes(jobs, one, lambda r: collapsed(r, args.collapse_grad_ratio), args.jobs,
+                         args.adaptive_seeds)
+    for (i, lr), done in decided.items():
+        b = points[i]
         b.record(lr, sum(collapsed(r, args.collapse_grad_ratio) for r in done), len(done))
         print(f"[boundary] d={b.width} L={b.depth} lr {lr:.4g}: {b.probes[-1]['k']}/{len(done)} collapsed "
               f"-> [{b.lo:.4g}, {b.hi:.4g}] {b.status}", flush=True)
-    print(f"[boundary] round: {len(work)} runs in {time.monotonic() - start:.0f} s", flush=True)
+    runs = sum(len(d) for d in decided.values())
+    print(f"[boundary] round: {runs} runs in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def start_brackets(args: argparse.Namespace) -> list[Bracket]:
+    """Every grid point's first bracket: [--lr-lo, --lr-hi], or the law's lr* x [1/F, F]."""
+    fit = json.loads(Path(args.lr_from_law).read_text(encoding="utf-8"))["fit"] if args.lr_from_law else None
+    points = []
+    for w in args.widths:
+        for d in args.depths:
+            lo, hi = args.lr_lo, args.lr_hi
+            if fit is not None:
+                star = predict(fit, w, d)["lr_star"]
+                lo, hi = float(f"{star / args.law_factor:.4g}"), float(f"{star * args.law_factor:.4g}")
+            points.append(Bracket(w, d, lo, hi, steps=args.bisect_steps, widen=args.lr_widen,
+                                  lr_min=args.lr_min, lr_max=args.lr_max))
+    return points
 
 
 def preset_rows(fit: dict, names: Sequence[str]) -> list[dict]:
@@ -226,20 +247,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         points = [Bracket(**{k: v for k, v in b.items() if k != "estimate"})
                   for b in json.loads(state.read_text(encoding="utf-8"))]
     else:
-        vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
+        vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
         cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
         freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab,
                                           cache).aggregated
-        points = [Bracket(w, d, args.lr_lo, args.lr_hi, steps=args.bisect_steps, widen=args.lr_widen,
-                          lr_min=args.lr_min, lr_max=args.lr_max) for w in args.widths for d in args.depths]
+        points = start_brackets(args)
+        args.pool = make_pool(args.engine, args.jobs, args.nice)
+        args.rows, args.rows_lock = {}, threading.Lock()
         start, rnd = time.monotonic(), 0
-        while any(b.next_lrs() for b in points):  # ends (widening as needed), then the midpoints
-            probe(args, points, freq)  # finished cells are read back, never re-run
-            atomic_write_text(state, json.dumps([b.as_dict() for b in points], indent=1))
-            rnd += 1
-            took, left = time.monotonic() - start, max(b.rounds_left() for b in points)
-            print(f"[boundary] round {rnd} done in {took:.0f} s; >= {left} rounds left; ETA "
-                  f"~{took / rnd * left / 60:.1f} min", flush=True)
+        try:
+            while any(b.next_lrs() for b in points):  # ends (widening as needed), then the midpoints
+                probe(args, points, freq)  # finished cells are read back, never re-run
+                atomic_write_text(state, json.dumps([b.as_dict() for b in points], indent=1))
+                rnd += 1
+                took, left = time.monotonic() - start, max(b.rounds_left() for b in points)
+                print(f"[boundary] round {rnd} done in {took:.0f} s; >= {left} rounds left; ETA "
+                      f"~{took / rnd * left / 60:.1f} min", flush=True)
+        finally:
+            args.pool.close()
+    if len(points) == 1:  # one grid point (a factor study's setting): its bracket, no power-law fit
+        b = points[0]
+        print(f"[boundary] d={b.width} L={b.depth}: {b.status} [{b.lo:.4g}, {b.hi:.4g}] (one grid point: "
+              "no fit; brackets.json and results.csv hold the probes)")
+        return 0
     try:
         report(args, points)
     except ValueError as e:

@@ -20,14 +20,11 @@ Flags after ``--`` go to every run.
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
-import io
 import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -40,16 +37,14 @@ from collapse_metrics.analysis.probabilities import calibrate, candidate_rules, 
 from collapse_metrics.analysis.probability_report import probability_figure, write_cells
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.plugin import CollapseMetricsPlugin
+from sweep_engine import add_run_flags, make_pool
+from sweep_results import check_same_setting, collapsed, settings, write_csv
 
 from megapost.config.arguments import build_parser as trainer_parser
 from megapost.config.errors import ConfigError
 from megapost.data import SentencePieceTokenizer
 from megapost.model.placements import PLACEMENTS
 from megapost.utils.atomic import atomic_write_text
-
-FIELDS = ("variant", "placement", "depth", "lr", "warmup", "seed", "outcome", "transition_step", "delayed",
-          "best_gap", "final_gap", "final_tsim", "final_grad_ratio", "alarm_step", "alarm_final",
-          "warning_step", "freq_loss", "seconds")
 
 
 @dataclass(frozen=True)
@@ -135,8 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--interval", type=int, default=2, help="--collapse-interval of every run")
     p.add_argument("--split", default="969,30,1")
-    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
+    add_run_flags(p)
     p.add_argument("--plot-only", action="store_true", help="rewrite the CSV and figures from finished cells")
     return p
 
@@ -145,12 +139,13 @@ def cell_argv(args: argparse.Namespace, cell: Cell, run_dir: Path) -> list[str]:
     h, variant = args.hidden, parse_variant(cell.variant)
     return [
         "--norm-position", variant.placement, *variant.flags, "--num-layers", str(cell.depth),
-        "--hidden-size", str(h), "--ffn-hidden-size", str(3 * h), "--num-attention-heads", "4",
+        "--hidden-size", str(h), "--ffn-hidden-size", str(3 * h), "--num-attention-heads", str(args.heads),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.batch),
         "--global-batch-size", str(args.batch),
         "--train-iters", str(args.iters), "--lr", str(cell.lr), "--min-lr", str(cell.lr / 10),
         "--lr-warmup-iters", str(cell.warmup), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-        "--clip-grad", "1.0", "--init-variance", "paper", "--seed", str(cell.seed), "--split", args.split,
+        "--clip-grad", "1.0", "--init-variance", args.init_variance, "--seed", str(cell.seed),
+        "--split", args.split,
         "--data-path", args.data_path, "--tokenizer-model", args.tokenizer_model,
         "--tensorboard-dir", str(run_dir / "tensorboard"), "--eval-interval", "0", "--log-interval", "50",
         "--plugins", "collapse_metrics", "--collapse-interval", str(args.interval),
@@ -158,43 +153,46 @@ def cell_argv(args: argparse.Namespace, cell: Cell, run_dir: Path) -> list[str]:
     ]
 
 
+def train(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
+    """One run through ``args.pool`` (--engine), its output in ``train.log``; retried when the rendezvous
+    port was taken between its pick and its bind (parallel cells)."""
+    jsonl = run_dir / "tensorboard" / "collapse_metrics.jsonl"
+    for _attempt in range(3):
+        jsonl.unlink(missing_ok=True)  # an interrupted attempt starts over
+        rc = args.pool.run(argv, run_dir / "train.log", args.flush_denormal)
+        if rc == 0 or "EADDRINUSE" not in (run_dir / "train.log").read_text(errors="replace"):
+            break
+    return rc
+
+
 def run_cell(args: argparse.Namespace, cell: Cell, freq_loss: float) -> dict[str, object] | None:
     run_dir = Path(args.out) / "cells" / cell.name
     done = run_dir / "outcome.json"
+    setting = settings(args, parse_variant(cell.variant), cell, args.vocab)
     if done.is_file():
-        return json.loads(done.read_text(encoding="utf-8"))
+        prev = json.loads(done.read_text(encoding="utf-8"))
+        check_same_setting(done, prev, setting)
+        return prev
     run_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = run_dir / "tensorboard" / "collapse_metrics.jsonl"
-    jsonl.unlink(missing_ok=True)  # an interrupted attempt starts over
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    for _attempt in range(3):  # a rendezvous port taken between its pick and its bind (parallel cells): retry
-        with open(run_dir / "train.log", "w", encoding="utf-8") as log:
-            rc = subprocess.call(["nice", "-n", str(args.nice), sys.executable, "-m", "megapost.pretrain",
-                                  *cell_argv(args, cell, run_dir)], stdout=log, stderr=subprocess.STDOUT,
-                                 env=env)
-        if rc == 0 or "EADDRINUSE" not in (run_dir / "train.log").read_text(errors="replace"):
-            break
-        jsonl.unlink(missing_ok=True)
+    rc = train(args, cell_argv(args, cell, run_dir), run_dir)
+    jsonl = run_dir / "tensorboard" / "collapse_metrics.jsonl"
     if rc != 0 or not jsonl.is_file():
         print(f"[sweep] {cell.name}: trainer exited with {rc}; see {run_dir / 'train.log'}", flush=True)
         return None
-    result = {**asdict(cell), **asdict(summarize(read_run(jsonl), freq_loss)),
-              "seconds": round(time.monotonic() - start, 1)}
+    rows = read_run(jsonl)
+    outcome = summarize(rows, freq_loss)
+    result = {**setting, **asdict(cell), **asdict(outcome), "final_loss": freq_loss + outcome.final_gap,
+              "last_loss": rows[-1].loss, "freq_loss": freq_loss,
+              "collapse_grad_ratio": args.collapse_grad_ratio,
+              "seconds": round(time.monotonic() - start, 1), "engine": args.pool.engine,
+              "flush_denormal": args.flush_denormal}
+    result["collapsed"] = int(collapsed(result, args.collapse_grad_ratio))
     atomic_write_text(done, json.dumps(result))
     print(f"[sweep] {cell.name}: {result['outcome']} transition {result['transition_step']} alarm "
           f"{result['alarm_step']} best {result['best_gap']:+.2f} final {result['final_gap']:+.2f} "
           f"({result['seconds']:.0f} s)", flush=True)
     return result
-
-
-def write_csv(path: Path, results: list[dict[str, object]]) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore")
-    w.writeheader()
-    for r in results:
-        w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
-    atomic_write_text(path, buf.getvalue())
 
 
 def alarm_scores(results: list[dict[str, object]]) -> dict[str, object]:
@@ -339,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.extra = extra
     out = Path(args.out)
-    vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
+    vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
     cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
     freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab, cache).aggregated
     print(f"[sweep] frequency loss of the train split: {freq:.4f} nats", flush=True)
@@ -365,11 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         progress = Progress(len(cells), args.jobs)
         before = {c for c in cells if (out / "cells" / c.name / "outcome.json").is_file()}
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            futures = {pool.submit(run_cell, args, c, freq): c for c in cells}
-            for fut in as_completed(futures):
-                finish(futures[fut], fut.result())
-                print(progress.update(results.get(futures[fut]), futures[fut] not in before), flush=True)
+        args.pool = make_pool(args.engine, args.jobs, args.nice)
+        try:
+            with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+                futures = {pool.submit(run_cell, args, c, freq): c for c in cells}
+                for fut in as_completed(futures):
+                    finish(futures[fut], fut.result())
+                    print(progress.update(results.get(futures[fut]), futures[fut] not in before), flush=True)
+        finally:
+            args.pool.close()
     done = [results[c] for c in cells if c in results]
     for depth in args.depths:
         rows = [r for r in done if r["depth"] == depth]
