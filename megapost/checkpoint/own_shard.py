@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from megapost.checkpoint import layout_free as lf
@@ -31,7 +32,7 @@ def load(engine: Any, pstate: Any, tag_dir: str, header: dict[str, Any], params:
             and partitioned):
         return None
     path = os.path.join(tag_dir, lf.DIR, lf.shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
-    with safe_open(path, framework="pt") as f:
+    with safe_open(path, framework="pt") as f, torch.no_grad():
         head = json.loads(f.metadata()["megapost"])
         for name, p in params.items():
             mapping = p._hp_mapping
