@@ -109,7 +109,7 @@ def test_the_schema_round_trips_and_predicts_by_its_own_formula(tmp_path):
     assert pred.interval == pytest.approx((math.exp(c @ z - 1.96 * sd), math.exp(c @ z + 1.96 * sd)),
                                           rel=1e-3)
     assert pred.extrapolated == ["width 512 > 256", "depth 48 > 16"]
-    assert pred.not_modelled == ["vocab 3.2e+04 (held at 2048)"]
+    assert pred.not_modelled == ["vocab 32,000 (held at 2,048)"]
     assert pred.p_collapse(pred.lr_star, back.sigma) == pytest.approx(0.5)
     (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ConfigError, match=r"--collapse-law .*bad.json: not a tools/fit_collapse_law.py fit"):

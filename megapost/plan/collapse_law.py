@@ -181,9 +181,9 @@ class Law:
         for alt in self.alternatives:
             m, s = alt.mu_sd(x)
             lo, hi = min(lo, m - q * s), max(hi, m + q * s)
-        ext = [f"{f} {_g(x[f])} {'<' if x[f] < a else '>'} {_g(a if x[f] < a else b)}"
+        ext = [f"{f} {_g(f, x[f])} {'<' if x[f] < a else '>'} {_g(f, a if x[f] < a else b)}"
                for f, (a, b) in self.box.items() if f not in self.fixed and not a <= x[f] <= b]
-        nm = [f"{f} {_g(x[f])} (held at {_g(v)})" for f, v in self.fixed.items() if x[f] != v]
+        nm = [f"{f} {_g(f, x[f])} (held at {_g(f, v)})" for f, v in self.fixed.items() if x[f] != v]
         return Prediction(math.exp(mu), (math.exp(lo), math.exp(hi)), sd, ext, nm)
 
     def as_dict(self) -> dict[str, Any]:
@@ -211,8 +211,10 @@ class Law:
                    dict(d["provenance"]), d.get("validation"))
 
 
-def _g(v: float) -> str:
-    return f"{v:.4g}"
+def _g(factor: str, v: float) -> str:
+    if factor == "init":
+        return next((k for k, c in INIT_CODE.items() if c == v), f"{v:g}")
+    return f"{v:,.0f}" if v == int(v) else f"{v:.4g}"
 
 
 def _normal_quantile(p: float) -> float:
