@@ -104,7 +104,7 @@ def test_the_shipped_fit_loads_and_an_old_boundary_file_is_refused(tmp_path, mon
     law, source = load_law(None)
     assert source == SHIPPED_LABEL and law.placement == "post" and law.provenance["runs"] > 100
     assert all((REPO / s["path"]).is_file() for s in law.provenance["sources"])
-    old = REPO / "docs" / "data" / "collapse_boundary_study21.json"
+    old = REPO / "megapost" / "plan" / "collapse_boundary_post.json"  # the old study's probes: data
     with pytest.raises(ConfigError, match="not a tools/fit_collapse_law.py fit.*refit with"):
         load_law(str(old))
     assert json.loads(old.read_text())["points"]

@@ -1,6 +1,6 @@
 """Fit the collapse law P(collapse | lr, x) over every probe's seed outcomes and write it for the planner.
 
-    python tools/fit_collapse_law.py docs/data/collapse_boundary_study21.json /work/study/*/ \\
+    python tools/fit_collapse_law.py megapost/plan/collapse_boundary_post.json /work/study/*/ \\
         --out runs/collapse_law/law.json
 
 Inputs: ``results.csv`` files (or folders searched for them; one row per run, the columns of
@@ -34,7 +34,8 @@ ALIASES = {"width": ("width", "hidden", "hidden_size"), "depth": ("depth", "laye
            "warmup": ("warmup", "lr_warmup_iters"), "iters": ("iters", "train_iters"),
            "seq": ("seq", "seq_length"), "vocab": ("vocab", "vocab_size"),
            "heads": ("heads", "num_attention_heads"), "init": ("init", "init_variance"),
-           "tokens_per_step": ("tokens_per_step", "tokens"), "batch": ("batch", "global_batch_size")}
+           "tokens_per_step": ("tokens_per_step", "tokens"),
+           "batch": ("batch", "global_batch_size", "global_batch")}
 OLD_STUDY_DEFAULTS = {"vocab": 2048.0, "heads": 4.0, "init": 0.0}  # tools/collapse_boundary.py's runs
 
 
