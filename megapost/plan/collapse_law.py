@@ -158,6 +158,10 @@ class Prediction:
         """Predictive P(collapse) of one seed at ``lr``: the seed noise and lr*'s own uncertainty."""
         return phi_cdf((math.log(lr) - math.log(self.lr_star)) / math.hypot(sigma, self.sd_log))
 
+    def lr_at(self, p: float, sigma: float) -> float:
+        """The peak lr whose predictive P(collapse) per seed is ``p`` (the inverse of ``p_collapse``)."""
+        return self.lr_star * math.exp(_normal_quantile(p) * math.hypot(sigma, self.sd_log))
+
 
 @dataclass
 class Law:
