@@ -14,11 +14,11 @@ import pytest
 from scipy.stats import chi2, norm
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import _erfc, chi2_sf, fit_law, make_probe
+from megapost.plan.collapse_fit import _erfc, chi2_sf, fit_law, make_probe, separable
 from megapost.plan.collapse_law import Form, Law, load_law, save_law
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = {"width": 64, "depth": 4, "warmup": 20, "tokens_per_step": 256, "iters": 150, "seq": 32,
+BASE = {"width": 64, "depth": 4, "warmup": 20, "tokens_per_step": 256, "decay_iters": 130, "seq": 32,
         "vocab": 2048, "heads": 4, "init": 0}
 TRUTH = {"const": math.log(0.7), "log width": -0.7, "log depth": -1.0, "warmup:log1p": 0.5}
 FORM = Form(("width", "depth", "warmup"), "log1p", 30.0)
@@ -56,7 +56,7 @@ def test_the_probit_fit_recovers_a_known_law_within_its_intervals():
         assert abs(b.coef[i] - true) <= 1.96 * sd, (col, b.coef[i], true, sd)
         assert sd < 0.2
     assert 0.08 < law.sigma < 0.25
-    assert law.fixed == {"tokens_per_step": 256, "iters": 150, "seq": 32, "vocab": 2048, "heads": 4,
+    assert law.fixed == {"tokens_per_step": 256, "decay_iters": 130, "seq": 32, "vocab": 2048, "heads": 4,
                          "init": 0}
     assert law.box["width"] == [64, 256] and law.box["warmup"] == [0, 2000]
 
@@ -128,7 +128,8 @@ def _write_results(path: Path, probes) -> None:
                 w.writerow({"variant": "post", "placement": "post", "hidden": int(x["width"]),
                             "depth": int(x["depth"]), "lr": p.lr, "warmup": int(x["warmup"]), "seed": s,
                             "outcome": "collapsed" if s < p.k else "trained",
-                            "final_grad_ratio": 1e-9 if s < p.k else 0.5, "iters": 150, "seq_length": 32,
+                            "final_grad_ratio": 1e-9 if s < p.k else 0.5, "iters": int(x["warmup"]) + 130,
+                            "seq_length": 32,
                             "batch": 8})
         w.writerow({"variant": "pre", "placement": "pre", "hidden": 64, "depth": 4, "lr": 1.0, "warmup": 0,
                     "seed": 1, "outcome": "trained", "iters": 150, "seq_length": 32, "batch": 8})
@@ -163,3 +164,15 @@ def test_the_tool_fits_results_csv_and_validates(tmp_path, monkeypatch, capsys):
     ps = [make_probe(BASE, lr, k, 3) for lr, k in ((1e-3, 0), (2e-3, 1), (3e-3, 2), (4e-3, 1), (5e-3, 3))]
     assert sys.modules["law_report"].bracket(ps) == (2e-3, 3e-3)  # first majority; last minority below
     assert sys.modules["law_report"].bracket(ps[:2]) == (2e-3, math.inf)
+
+
+def test_a_factor_that_never_varies_alone_gets_no_term():
+    """decay_iters tied to warmup (130 after it, 150 without): over <= 1.25x it is ignored; a sweep at
+    another heads count and seq at once (neither varies alone) is set aside at the base seq."""
+    probes = [make_probe({**BASE, "warmup": w, "decay_iters": 150 if w == 0 else 130}, lr, 1, 3)
+              for w in (0, 20, 100) for lr in (1e-3, 2e-3)]
+    probes += [make_probe({**BASE, "heads": 8, "seq": 16}, 1e-3, 1, 3)]
+    probes += [make_probe({**BASE, "width": 128}, 1e-3, 1, 3)]
+    kept, aside, held, ignored = separable(probes)
+    assert ignored == ["decay_iters"] and held == {"seq": 32}  # heads then varies no more
+    assert aside == [probes[6]] and len(kept) == 7

@@ -15,29 +15,31 @@ from megapost.plan.collapse_law import SHIPPED_LABEL, Branch, Form, Law, load_la
 from megapost.plan.collapse_risk import collapse_risk
 
 REPO = Path(__file__).resolve().parents[1]
-FACTORS = ("width", "depth", "warmup", "tokens_per_step", "iters", "seq", "init")
+FACTORS = ("width", "depth", "warmup", "tokens_per_step", "decay_iters", "seq", "init")
 COEF = [math.log(2.0), -0.5, -1.0, -0.1, -0.2, 0.3, -0.4, 0.4]  # const, 5 logs, init, warmup:log1p
 SIGMA, TAU = 0.2, 0.1
 
 
 def _law() -> Law:
-    form = Form(("width", "depth", "tokens_per_step", "iters", "seq", "init", "warmup"), "log1p", 100.0)
+    form = Form(("width", "depth", "tokens_per_step", "decay_iters", "seq", "init", "warmup"), "log1p", 100.0)
     n = len(form.columns())
     cov = [[1e-4 if i == j else 0.0 for j in range(n)] for i in range(n)]
     box = {"width": [64, 512], "depth": [4, 48], "warmup": [0, 2000], "tokens_per_step": [256, 4096],
-           "iters": [150, 2000], "seq": [32, 256], "vocab": [2048, 2048], "heads": [4, 4], "init": [0, 1]}
+           "decay_iters": [150, 2000], "seq": [32, 256], "vocab": [2048, 2048], "heads": [4, 4],
+           "init": [0, 1]}
     return Law(Branch(form, COEF, cov, TAU), SIGMA, box, {"vocab": 2048.0, "heads": 4.0},
                provenance={"runs": 1})
 
 
 def _x(**kw) -> dict:
-    return {"width": 128, "depth": 8, "warmup": 100, "tokens_per_step": 1024, "iters": 500, "seq": 64,
+    return {"width": 128, "depth": 8, "warmup": 100, "tokens_per_step": 1024, "decay_iters": 500, "seq": 64,
             "vocab": 2048, "heads": 4, "init": 0, **kw}
 
 
 def _by_hand(x: dict) -> tuple[float, float]:
     """(log lr*, predictive sd) from COEF and the diagonal covariance, written out."""
-    z = [1, math.log(x["width"]), math.log(x["depth"]), math.log(x["tokens_per_step"]), math.log(x["iters"]),
+    z = [1, math.log(x["width"]), math.log(x["depth"]), math.log(x["tokens_per_step"]),
+         math.log(x["decay_iters"]),
          math.log(x["seq"]), x["init"], math.log(1 + x["warmup"] / 100)]
     sd = math.sqrt(1e-4 * sum(v * v for v in z) + TAU ** 2)
     return sum(c * v for c, v in zip(COEF, z, strict=True)), sd
@@ -55,7 +57,7 @@ def test_the_risk_follows_the_runs_own_factors():
     assert hi["line"].startswith(f"collapse risk: high -- lr {3 * star:.3g} = 3 x predicted lr* {star:.3g}")
     assert collapse_risk(law, "f", "post", _x(), star / 3)["risk"] == "low"
     assert collapse_risk(law, "f", "post", _x(), star)["risk"] == "uncertain"
-    for factor, value in (("warmup", 1000), ("tokens_per_step", 4096), ("iters", 2000), ("seq", 256),
+    for factor, value in (("warmup", 1000), ("tokens_per_step", 4096), ("decay_iters", 2000), ("seq", 256),
                           ("init", 1)):
         moved = collapse_risk(law, "f", "post", _x(**{factor: value}), star)["lr_star"]
         assert moved == pytest.approx(math.exp(_by_hand(_x(**{factor: value}))[0]), rel=1e-12), factor
@@ -84,11 +86,11 @@ def test_the_planner_passes_warmup_batch_seq_steps_and_init(tmp_path, capsys):
     save_law(path, _law())
     argv = ["--preset", "paper-180m", "--norm-position", "post", "--lr", "8e-4", "--gpus", "8",
             "--collapse-law", str(path)]
-    for extra, x in (([], _x(width=512, depth=48, warmup=2000, tokens_per_step=256 * 2048, iters=40000,
+    for extra, x in (([], _x(width=512, depth=48, warmup=2000, tokens_per_step=256 * 2048, decay_iters=38000,
                                 seq=2048, vocab=32000)),
                      (["--lr-warmup-iters", "0", "--global-batch-size", "64", "--seq-length", "1024",
                        "--train-iters", "1000", "--init-variance", "std"],
-                      _x(width=512, depth=48, warmup=0, tokens_per_step=64 * 1024, iters=1000, seq=1024,
+                      _x(width=512, depth=48, warmup=0, tokens_per_step=64 * 1024, decay_iters=1000, seq=1024,
                          vocab=32000, init=1))):
         plan_main(argv + extra)
         line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("collapse risk:"))

@@ -13,7 +13,7 @@ from test_collapse_guard import _guard, _records, _run, _split_at_rollback
 
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
-from megapost.plan.collapse_law import Branch, Form, Law, save_law
+from megapost.plan.collapse_law import FACTORS, Branch, Form, Law, save_law
 from megapost.plugin_api import Flags
 
 SIGMA = 0.2
@@ -22,8 +22,7 @@ COV = 1e-4  # diagonal
 
 def _law_file(tmp_path, lr_star: float, placement: str = "post"):
     """lr* = lr_star at every shape (width/depth terms with zero coefficients, small covariance)."""
-    box = {f: [1.0, 1e6] for f in ("width", "depth", "warmup", "tokens_per_step", "iters", "seq", "vocab",
-                                   "heads", "init")}
+    box = {f: [1.0, 1e6] for f in FACTORS}
     law = Law(Branch(Form(("width", "depth")), [math.log(lr_star), 0.0, 0.0],
                      [[COV if i == j else 0.0 for j in range(3)] for i in range(3)], 0.0), SIGMA, box, {},
               placement=placement)
@@ -66,8 +65,7 @@ def test_the_law_remedy_reads_the_runs_factors(tmp_path):
     here), P(collapse) 0.05: by hand with scipy's normal quantile."""
     zero = [[0.0] * 3 for _ in range(3)]
     law = Law(Branch(Form(("width", "depth")), [math.log(0.01), -0.1, -0.2], zero, 0.0),
-              SIGMA, {f: [1.0, 1e6] for f in ("width", "depth", "warmup", "tokens_per_step", "iters", "seq",
-                                              "vocab", "heads", "init")}, {})
+              SIGMA, {f: [1.0, 1e6] for f in FACTORS}, {})
     save_law(tmp_path / "l.json", law)
     model = ModelConfig(vocab_size=256, num_layers=12, hidden_size=32, ffn_hidden_size=96,
                         num_attention_heads=4)

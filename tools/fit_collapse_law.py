@@ -24,10 +24,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from law_report import factor_table, law_lines, loo_table, paper_test
+from law_report import aside_lines, factor_table, law_lines, loo_table, paper_test
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import Probe, fit_law, make_probe
+from megapost.plan.collapse_fit import Probe, fit_law, make_probe, separable
 from megapost.plan.collapse_law import DEFAULT_LAW, FACTORS, INIT_CODE, save_law
 
 ALIASES = {"width": ("width", "hidden", "hidden_size"), "depth": ("depth", "layers", "num_layers"),
@@ -72,7 +72,9 @@ def _value(row: dict[str, str], name: str, defaults: dict[str, float]) -> float 
 
 
 def row_factors(row: dict[str, str], defaults: dict[str, float], where: str) -> dict[str, float]:
-    x = {f: _value(row, f, defaults) for f in FACTORS if f != "tokens_per_step"}
+    x = {f: _value(row, f, defaults) for f in FACTORS if f not in ("tokens_per_step", "decay_iters")}
+    iters = _value(row, "iters", defaults)
+    x["decay_iters"] = None if iters is None or x["warmup"] is None else iters - x["warmup"]
     tokens = _value(row, "tokens_per_step", defaults)
     batch = _value(row, "batch", defaults)
     x["tokens_per_step"] = tokens if tokens is not None else (
@@ -114,7 +116,8 @@ def probes_from_boundary(path: Path) -> tuple[list[Probe], int]:
     """A tools/collapse_boundary.py JSON: every probe's k/n at the file's warmup, steps, batch, seq."""
     data = json.loads(path.read_text(encoding="utf-8"))
     try:
-        base = {"warmup": data["warmup"], "iters": data["iters"], "seq": data["seq_length"],
+        base = {"warmup": data["warmup"], "decay_iters": data["iters"] - data["warmup"],
+                "seq": data["seq_length"],
                 "tokens_per_step": data["batch"] * data["seq_length"], **OLD_STUDY_DEFAULTS}
         probes = [make_probe({**base, "width": b["width"], "depth": b["depth"]}, p["lr"], p["k"], p["n"])
                   for b in data["points"] for p in b["probes"]]
@@ -129,8 +132,11 @@ def read_inputs(inputs: Sequence[str], defaults: dict[str, float],
     for item in inputs:
         path = Path(item)
         files = sorted(path.rglob("results.csv")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise ConfigError(f"{item}: no results.csv there (nor a file of that name)")
+        if path.is_dir() and not files:
+            print(f"note: {item}: no results.csv yet; skipped", flush=True)
+            continue
+        if not all(f.is_file() for f in files):
+            raise ConfigError(f"{item}: no such file or folder")
         for f in files:
             got, runs = (probes_from_boundary(f) if f.suffix == ".json"
                          else probes_from_csv(f, defaults, grad_ratio))
@@ -145,18 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not probes:
         raise ConfigError(f"{', '.join(args.inputs)}: no finished plain Post-Norm runs")
     start = time.monotonic()
-    law = fit_law(probes, draws=args.draws, seed=args.seed)
+    probes, aside, held, ignored = separable(probes)
+    law = fit_law(probes, draws=args.draws, seed=args.seed, ignore=ignored)
     law.criterion = (f"outcome.py collapsed with final first/last-layer gradient ratio <= "
                      f"{args.collapse_grad_ratio:g} (or the CSV's collapsed column)")
     law.provenance.update(sources=sources, tool="tools/fit_collapse_law.py",
                           created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     print("\n".join(law_lines(law)))
+    checks, lines = aside_lines(law, aside, held)
+    print("\n".join(lines))
     print("\n".join(factor_table(law, probes)))
     rows, lines = loo_table(probes, law, [f for f in args.loo.split(",") if f], args.loo_draws, args.seed)
     print("\n".join(lines))
     test, lines = paper_test(law)
     print("\n".join(lines))
-    law.validation = {"leave_one_out": rows, "paper_180m": test}
+    law.validation = {"leave_one_out": rows, "paper_180m": test, "set_aside": checks}
     save_law(args.out, law)
     print(f"wrote {args.out} ({sum(s['runs'] for s in sources)} runs, {len(probes)} probes, "
           f"{law.provenance['configs']} configurations; {time.monotonic() - start:.0f} s)")

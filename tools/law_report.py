@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megapost.config.presets import PRESETS
-from megapost.plan.collapse_fit import Probe, fit_law, groups, likelihood_ratio, varying
+from megapost.plan.collapse_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
 from megapost.plan.collapse_law import FACTORS, INIT_CODE, Z95, Form, Law, exponents
 
 PAPER_BRACKET = (6e-4, 8e-4)  # QUANTITIES.md: 6e-4 stable for 40,000 steps, 8e-4 collapsed (~step 2644)
@@ -19,7 +19,8 @@ PAPER_VOCAB = 32000  # the Llama-2 tokenizer
 def paper_factors() -> dict[str, float]:
     p = PRESETS["paper-180m"]
     return {"width": p["hidden_size"], "depth": p["num_layers"], "warmup": p["lr_warmup_iters"],
-            "tokens_per_step": p["global_batch_size"] * p["seq_length"], "iters": p["train_iters"],
+            "tokens_per_step": p["global_batch_size"] * p["seq_length"],
+            "decay_iters": p["train_iters"] - p["lr_warmup_iters"],
             "seq": p["seq_length"], "vocab": PAPER_VOCAB, "heads": p["num_attention_heads"],
             "init": INIT_CODE[p["init_variance"]]}
 
@@ -68,6 +69,10 @@ def factor_table(law: Law, probes: Sequence[Probe]) -> list[str]:
         lo, hi = law.box[f]
         if f in law.fixed:
             lines.append(f"| {f} | {lo:g} only | not measured (held at {lo:g}) | – |")
+            continue
+        if f not in b.form.factors and f != "warmup":
+            lines.append(f"| {f} | {lo:g} … {hi:g} | no term: varies only together with other factors, "
+                         f"over <= {NARROW:g}x (ignored) | – |")
             continue
         if f == "warmup" and b.form.warmup == "none":
             stat, p = likelihood_ratio(probes, Form(b.form.factors, "log1p", 100.0), "warmup")
@@ -125,6 +130,28 @@ def loo_table(probes: Sequence[Probe], law: Law, factors: Sequence[str], draws: 
             lines.append(f"| {f} = {v:g} | {len(held)} | {covered}/{len(held)} | {med:.3f} |")
     total, cov = sum(r["configs"] for r in rows), sum(r["covered"] for r in rows)
     lines.append(f"overall: {cov}/{total} held-out configurations covered" if total else "no leave-one-out")
+    return rows, lines
+
+
+def aside_lines(law: Law, aside: Sequence[Probe], held: dict[str, float]) -> tuple[list[dict[str, Any]],
+                                                                                list[str]]:
+    """The configurations set aside (a factor they differ in varies nowhere alone): predicted vs measured."""
+    if not held:
+        return [], []
+    rows, lines = [], ["not separable (vary only together with other factors), held at their most common "
+                       "value: " + ", ".join(f"{f} {v:g}" for f, v in held.items()),
+                       "| set aside (not fitted) | measured bracket | predicted lr* [95 %] | covered |",
+                       "|---|---|---|---|"]
+    for ps in groups(aside).values():
+        x = ps[0].factors
+        lo, hi = bracket(ps)
+        pred = law.predict(x)
+        cov = pred.interval[0] <= hi and pred.interval[1] >= lo
+        name = ", ".join(f"{f} {x[f]:g}" for f in FACTORS if x[f] != law.box[f][0] or f in held)
+        rows.append({"factors": x, "bracket": [lo, hi], "lr_star": pred.lr_star,
+                     "interval": list(pred.interval), "covered": cov})
+        lines.append(f"| {name} | [{lo:.3g}, {hi:.3g}] | {pred.lr_star:.3g} [{pred.interval[0]:.3g}, "
+                     f"{pred.interval[1]:.3g}] | {'yes' if cov else 'no'} |")
     return rows, lines
 
 

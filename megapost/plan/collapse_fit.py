@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megapost.plan.collapse_law import ALT_DELTA_AIC, FACTORS, WARMUP_FORMS, Branch, Form, Law
+from megapost.plan.collapse_law import ALT_DELTA_AIC, FACTORS, LOG_FACTORS, WARMUP_FORMS, Branch, Form, Law
 
 W0_GRID = (1.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 RIDGE = 1e-6
+NARROW = 1.25
+MAX_ALTERNATIVES = 6  # the nearest forms kept for the model-form envelope
 _ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587,
          -0.82215223, 0.17087277)
 
@@ -132,10 +134,10 @@ def varying(probes: Sequence[Probe]) -> list[str]:
     return [f for f in FACTORS if len({p.factors[f] for p in probes}) > 1]
 
 
-def candidate_forms(probes: Sequence[Probe]) -> list[Form]:
+def candidate_forms(probes: Sequence[Probe], ignore: Sequence[str] = ()) -> list[Form]:
     """Every warmup form the data can tell apart: none, and log1p/sat at each w0 of W0_GRID (with a
     depth x warmup interaction when depth varies too)."""
-    var = varying(probes)
+    var = [f for f in varying(probes) if f not in ignore]
     base = tuple(f for f in var if f != "warmup")
     if "warmup" not in var:
         return [Form(base)]
@@ -206,10 +208,10 @@ def bootstrap_cov(probes: Sequence[Probe], fit: FormFit, draws: int, seed: int) 
     return np.atleast_2d(np.cov(np.array(coefs).T))
 
 
-def select_forms(probes: Sequence[Probe]) -> list[FormFit]:
+def select_forms(probes: Sequence[Probe], ignore: Sequence[str] = ()) -> list[FormFit]:
     """Every candidate form's fit, best (lowest AIC) first."""
     fits = []
-    for form in candidate_forms(probes):
+    for form in candidate_forms(probes, ignore):
         try:
             fits.append(fit_form(probes, form))
         except (ValueError, np.linalg.LinAlgError):
@@ -223,15 +225,46 @@ def branch(probes: Sequence[Probe], fit: FormFit, best_aic: float, draws: int, s
                   fit.aic - best_aic)
 
 
+def separable(probes: Sequence[Probe]) -> tuple[list[Probe], list[Probe], dict[str, float], list[str]]:
+    """(kept, set aside, held, ignored): a factor is identified when two configurations differ in it alone.
+    One that varies only together with others over a ratio <= ``NARROW`` gets no term (ignored: within
+    the box it moves lr* by less than the noise); otherwise it is held at its most common value (by runs)
+    and the configurations at another value are set aside (the tool predicts them as a check)."""
+    kept, aside, held, ignored = list(probes), [], {}, []
+    while True:
+        configs = set(groups(kept))
+        bad = None
+        for f in (v for v in varying(kept) if v not in ignored):
+            i = FACTORS.index(f)
+            by_rest: dict[tuple, set[float]] = {}
+            for c in configs:
+                by_rest.setdefault(c[:i] + c[i + 1:], set()).add(c[i][1])
+            if not any(len(v) > 1 for v in by_rest.values()):
+                bad = f
+                break
+        if bad is None:
+            return kept, aside, held, ignored
+        values = [p.factors[bad] for p in kept]
+        if bad in LOG_FACTORS and max(values) <= NARROW * min(values):
+            ignored.append(bad)
+            continue
+        counts: dict[float, int] = {}
+        for p in kept:
+            counts[p.factors[bad]] = counts.get(p.factors[bad], 0) + p.n
+        held[bad] = max(counts, key=lambda v: counts[v])
+        aside += [p for p in kept if p.factors[bad] != held[bad]]
+        kept = [p for p in kept if p.factors[bad] == held[bad]]
+
+
 def fit_law(probes: Sequence[Probe], draws: int = 200, seed: int = 0, alternatives: bool = True,
-            form: Form | None = None) -> Law:
+            form: Form | None = None, ignore: Sequence[str] = ()) -> Law:
     """The law over ``probes``: best form by AIC (or ``form``), bootstrap covariance, residual scatter,
     the near-best forms as alternatives, the measured box and the factors held fixed."""
-    fits = [fit_form(probes, form)] if form is not None else select_forms(probes)
+    fits = [fit_form(probes, form)] if form is not None else select_forms(probes, ignore)
     if not fits:
         raise ValueError("no form could be fitted (every probe on one side of the boundary?)")
     best = fits[0]
-    alts = [f for f in fits[1:] if f.aic - best.aic <= ALT_DELTA_AIC] if alternatives else []
+    alts = [f for f in fits[1:] if f.aic - best.aic <= ALT_DELTA_AIC][:MAX_ALTERNATIVES * alternatives]
     alt_branches = []
     for f in alts:
         try:
@@ -245,7 +278,7 @@ def fit_law(probes: Sequence[Probe], draws: int = 200, seed: int = 0, alternativ
                forms=[{"name": f.form.name, "loglik": f.loglik, "params": f.params, "aic": f.aic,
                        "sigma": f.sigma} for f in fits],
                provenance={"runs": sum(p.n for p in probes), "probes": len(probes),
-                           "configs": len(groups(probes))})
+                           "configs": len(groups(probes)), "ignored": list(ignore)})
 
 
 def likelihood_ratio(probes: Sequence[Probe], form: Form, factor: str) -> tuple[float, float]:

@@ -2,8 +2,9 @@
 ``tools/fit_collapse_law.py`` (fitting: ``megapost.plan.collapse_fit``) and read by the planner's
 collapse-risk line and the guard's ``law`` remedy (through ``megapost.plugin_api``).
 
-The law. For a run with factors x (width, depth, warmup, tokens per step, train iters, sequence length,
-vocabulary, heads, init) and peak lr ``lr``, one seed collapses with probability
+The law. For a run with factors x (width, depth, warmup, tokens per step, decay_iters = the train iters
+after the warmup, sequence length, vocabulary, heads, init) and peak lr ``lr``, one seed collapses with
+probability
 
     P(collapse | lr, x) = Phi((log lr - mu(x)) / sigma),   mu(x) = log lr*(x) = coef . z(x)
 
@@ -44,8 +45,8 @@ from megapost.config.errors import ConfigError
 from megapost.utils.atomic import atomic_write_text
 
 SCHEMA, VERSION = "megapost.collapse_law", 1
-FACTORS = ("width", "depth", "warmup", "tokens_per_step", "iters", "seq", "vocab", "heads", "init")
-LOG_FACTORS = ("width", "depth", "tokens_per_step", "iters", "seq", "vocab", "heads")
+FACTORS = ("width", "depth", "warmup", "tokens_per_step", "decay_iters", "seq", "vocab", "heads", "init")
+LOG_FACTORS = ("width", "depth", "tokens_per_step", "decay_iters", "seq", "vocab", "heads")
 INIT_CODE = {"paper": 0.0, "std": 1.0}
 WARMUP_FORMS = ("none", "log1p", "sat")
 ALT_DELTA_AIC = 2.0
@@ -235,7 +236,8 @@ def run_factors(flags: Any, model: Any) -> dict[str, float]:
     return {"width": float(model.hidden_size), "depth": float(model.num_layers),
             "warmup": float(flags.lr_warmup_iters or 0),
             "tokens_per_step": float(flags.global_batch_size * flags.seq_length),
-            "iters": float(flags.train_iters), "seq": float(flags.seq_length),
+            "decay_iters": float(max(1, flags.train_iters - (flags.lr_warmup_iters or 0))),
+            "seq": float(flags.seq_length),
             "vocab": float(model.vocab_size), "heads": float(model.num_attention_heads),
             "init": INIT_CODE[flags.init_variance]}
 

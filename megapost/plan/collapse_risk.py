@@ -29,7 +29,7 @@ def collapse_risk(law: Law | None, source: str, placement: str, x: Mapping[str, 
     outside = bool(pred.extrapolated or pred.not_modelled)
     risk = "extrapolated" if outside else "high" if lr > hi else "low" if lr < lo else "uncertain"
     setting = (f"{placement}, {x['width']:g} x {x['depth']:g} layers, warmup {x['warmup']:g}, "
-               f"{x['tokens_per_step']:,.0f} tokens/step, {x['iters']:,.0f} steps")
+               f"{x['tokens_per_step']:,.0f} tokens/step, {x['decay_iters']:,.0f} steps after it")
     line = (f"collapse risk: {risk} -- lr {lr:.3g} = {lr / pred.lr_star:.2g} x predicted lr* "
             f"{pred.lr_star:.3g} [{lo:.3g}, {hi:.3g}] ({law.level:.0%}; P(collapse) per seed {p:.2f}"
             + (" if the law holds there" if outside else "") + f"; {setting}; fit {source})")
