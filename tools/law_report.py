@@ -11,6 +11,7 @@ from typing import Any
 from megapost.config.presets import PRESETS
 from megapost.plan.collapse_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
 from megapost.plan.collapse_law import FACTORS, INIT_CODE, Z95, Form, Law, exponents
+from megapost.plan.collapse_risk import UNINFORMATIVE
 
 PAPER_BRACKET = (6e-4, 8e-4)  # QUANTITIES.md: 6e-4 stable for 40,000 steps, 8e-4 collapsed (~step 2644)
 PAPER_VOCAB = 32000  # the Llama-2 tokenizer
@@ -162,6 +163,7 @@ def paper_test(law: Law) -> tuple[dict[str, Any], list[str]]:
     lo, hi = PAPER_BRACKET
     a, b = pred.interval
     hit = a <= hi and b >= lo
+    wide = b > UNINFORMATIVE * a
     miss = 1.0 if hit else (lo / pred.lr_star if pred.lr_star < lo else pred.lr_star / hi)
     ref = {f: min(max(x[f], law.box[f][0]), law.box[f][1]) for f in FACTORS}
     shares = []
@@ -173,20 +175,21 @@ def paper_test(law: Law) -> tuple[dict[str, Any], list[str]]:
     shares.sort(reverse=True)
     out = {"factors": x, "lr_star": pred.lr_star, "interval": list(pred.interval),
            "bracket": list(PAPER_BRACKET),
-           "interval_overlaps_bracket": hit, "miss_factor": miss,
+           "interval_overlaps_bracket": hit, "uninformative": wide, "miss_factor": miss,
            "p_collapse": {f"{lr:g}": pred.p_collapse(lr, law.sigma) for lr in (6e-4, 8e-4, 1.2e-3, 1.8e-3)},
            "extrapolated": pred.extrapolated, "not_modelled": pred.not_modelled,
            "extrapolation_factors": {f: r for _, f, r in shares}}
     lines = [f"paper-180m test (warmup 2000, 256 x 2048 tokens/step, 40,000 steps, vocab {PAPER_VOCAB}): "
              f"predicted lr* {pred.lr_star:.3g} [{a:.3g}, {b:.3g}] vs the paper's bracket ({lo:g} stable, "
-             f"{hi:g} collapsed): " + ("the interval overlaps the bracket" if hit else
+             f"{hi:g} collapsed): " + (f"UNINFORMATIVE: the interval spans x{b / a:.2g}" if wide else
+                                       "the interval overlaps the bracket" if hit else
                                        f"MISS by x{miss:.2f} ({'below' if pred.lr_star < lo else 'above'})"),
              "  P(collapse) per seed: " + ", ".join(f"lr {k}: {v:.2f}" for k, v in out["p_collapse"].items()),
              "  extrapolated beyond the measured box: " + (", ".join(pred.extrapolated) or "none"),
              "  not modelled (held at the data's value): " + (", ".join(pred.not_modelled) or "none")]
     if shares:
         lines.append("  lr* change from extrapolating each factor past the box edge: " + ", ".join(
-            f"{f} x{r:.2f}" for _, f, r in shares) + f" (largest: {shares[0][1]})")
+            f"{f} x{r:.3g}" for _, f, r in shares) + f" (largest: {shares[0][1]})")
     return out, lines
 
 

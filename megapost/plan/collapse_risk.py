@@ -14,6 +14,8 @@ from typing import Any
 
 from megapost.plan.collapse_law import Law
 
+UNINFORMATIVE = 100.0  # an interval wider than this ratio is reported as not constraining lr*
+
 
 def collapse_risk(law: Law | None, source: str, placement: str, x: Mapping[str, float],
                   lr: float) -> dict[str, Any]:
@@ -33,6 +35,8 @@ def collapse_risk(law: Law | None, source: str, placement: str, x: Mapping[str, 
     line = (f"collapse risk: {risk} -- lr {lr:.3g} = {lr / pred.lr_star:.2g} x predicted lr* "
             f"{pred.lr_star:.3g} [{lo:.3g}, {hi:.3g}] ({law.level:.0%}; P(collapse) per seed {p:.2f}"
             + (" if the law holds there" if outside else "") + f"; {setting}; fit {source})")
+    if hi > UNINFORMATIVE * lo:
+        line += f"; the interval spans x{hi / lo:.2g}: the law does not constrain lr* here"
     if pred.extrapolated:
         line += "; outside the measured box: " + ", ".join(pred.extrapolated)
     if pred.not_modelled:
