@@ -31,13 +31,14 @@ from megapost.model.init import matrix_std
 from megapost.model.rope import apply_rope_tables
 from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
+from megapost.plan.collapse_law import Law, load_law, run_factors
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "ConfigError", "Flags", "GPTDataset", "IndexedDataset", "LlamaModel", "ModelConfig",
-    "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce",
+    "ENTRY_POINT_GROUP", "ConfigError", "Flags", "GPTDataset", "IndexedDataset", "Law", "LlamaModel",
+    "ModelConfig", "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce",
     "apply_rope_tables", "atomic_path", "atomic_write_text", "available_plugins", "matrix_std",
-    "plugin_classes", "set_listener", "split_document_ranges",
+    "load_law", "plugin_classes", "run_factors", "set_listener", "split_document_ranges",
 ]
 
 ENTRY_POINT_GROUP = "megapost.plugins"

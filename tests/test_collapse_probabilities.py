@@ -1,7 +1,7 @@
 """Outcomes as probabilities (collapse_metrics/analysis/probabilities.py): Wilson intervals against an
 independent solution of the score equation, per-cell aggregation, warning calibration; the stability
 sweep's resumability (a second invocation starts no run) and its probability files; the boundary's
-bisection and power-law fit (analysis/boundary.py) and the planner's collapse-risk line."""
+bisection and power-law fit (analysis/boundary.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from collapse_metrics.analysis.boundary import Bracket, fit_power_law
+from collapse_metrics.analysis.boundary import Bracket, fit_power_law, predict
 from collapse_metrics.analysis.probabilities import (
     aggregate,
     calibrate,
@@ -21,8 +21,6 @@ from collapse_metrics.analysis.probabilities import (
 )
 from launch_utils import REPO
 from scipy.stats import norm
-
-from megapost.plan.collapse_risk import collapse_risk, predict
 
 
 def _wilson_by_roots(k: int, n: int) -> tuple[float, float]:
@@ -175,51 +173,6 @@ def test_a_bracket_on_the_wrong_side_widens_until_it_holds(true):
         for lr in past.next_lrs():
             past.record(lr, 3, 3)
     assert past.status == "below" and [p["lr"] for p in past.probes] == [3e-3, 0.1, 3e-4]
-
-
-def test_planner_prints_the_collapse_risk(tmp_path, capsys):
-    from megapost.plan.__main__ import main as plan_main
-
-    fit = {"log_a": math.log(0.5), "b_width": -0.5, "c_depth": -1.0, "samples": [[math.log(0.5), -0.5, -1.0]],
-           "range": {"widths": [32, 128], "depths": [2, 8]}}
-    path = tmp_path / "boundary.json"
-    path.write_text(json.dumps({"placement": "post", "warmup": 20, "tokens": 30720, "seq_length": 32,
-                                "fit": fit}))
-    star = 0.5 * 2048 ** -0.5 / 24
-    plan_main(["--preset", "llama-1.3b", "--norm-position", "post", "--lr", f"{star * 3}",
-               "--lr-warmup-iters", "20", "--gpus", "8", "--collapse-boundary", str(path)])
-    text = capsys.readouterr().out
-    line = next(x for x in text.splitlines() if x.startswith("collapse risk:"))
-    assert line.startswith(f"collapse risk: high -- lr {star * 3:.3g} vs predicted lr* {star:.3g}")
-    assert "outside the fitted range (extrapolation)" in line and "memory" not in line
-    assert "recommended:" in text
-    low = collapse_risk({"placement": "post", "warmup": 20, "fit": fit}, "f", "post", 64, 4, 1e-5, 20)
-    assert low["risk"] == "low" and low["notes"] == [] and "outside" not in low["line"]
-    assert "fitted for --norm-position post, not pre" in collapse_risk(
-        {"placement": "post", "fit": fit}, "f", "pre", 64, 4, 1e-3, 20)["line"]
-
-
-def test_the_planner_ships_the_default_study_fit(tmp_path, monkeypatch, capsys):
-    """With no runs/ fit and no $MEGAPOST_COLLAPSE_BOUNDARY the planner reads the fit shipped with megapost
-    (examples/scaling_study.sh's boundary part); that file is consistent: every bracket's ends were probed
-    with the outcome its side requires, and its exponents are the least-squares fit of its own brackets."""
-    from megapost.plan.__main__ import main as plan_main
-    from megapost.plan.collapse_risk import SHIPPED_LABEL, load_boundary
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MEGAPOST_COLLAPSE_BOUNDARY", raising=False)
-    data, source = load_boundary(None)
-    assert source == SHIPPED_LABEL and data["placement"] == "post"
-    points = [Bracket(**{k: v for k, v in b.items() if k != "estimate"}) for b in data["points"]]
-    for b in (p for p in points if p.status == "open"):
-        at = {round(p["lr"], 10): 2 * p["k"] >= p["n"] for p in b.probes}
-        assert at[round(b.lo, 10)] is False and at[round(b.hi, 10)] is True, (b.width, b.depth)
-    refit = fit_power_law(points)
-    assert refit["b_width"] == pytest.approx(data["fit"]["b_width"], abs=1e-9)
-    assert refit["c_depth"] == pytest.approx(data["fit"]["c_depth"], abs=1e-9)
-    plan_main(["--preset", "llama-1.3b", "--norm-position", "post", "--lr", "2e-4", "--gpus", "8"])
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("collapse risk:"))
-    assert f"fit {SHIPPED_LABEL})" in line and "outside the fitted range (extrapolation)" in line
 
 
 def test_the_verify_runs_are_trainer_commands_on_the_fits_data(monkeypatch):

@@ -13,8 +13,9 @@ collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
 in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (analysis/boundary.py,
 intervals from the brackets), plotted (<out>/boundary.png), extrapolated to the ladder presets (labelled
-extrapolation), and written to <out>/boundary.json, which ``python -m megapost.plan`` reads for its
-collapse-risk line. <out>/verify.sh lists the GPU runs that would test the prediction at the next size,
+extrapolation), and written to <out>/boundary.json; ``python tools/fit_collapse_law.py
+<out>/boundary.json`` fits the planner's law from it (maximum likelihood over every probe's seeds).
+<out>/verify.sh lists the GPU runs that would test the prediction at the next size,
 with their planned cost. Flags after ``--`` go to every run.
 """
 
@@ -30,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.analysis.boundary import Bracket, fit_power_law
+from collapse_metrics.analysis.boundary import Bracket, fit_power_law, predict
 from collapse_metrics.corpus import train_split_frequency_loss
 from stability_sweep import Cell, add_run_flags, ints, parse_variant, run_cell
 from sweep_engine import make_pool, run_probes
@@ -39,7 +40,6 @@ from sweep_results import collapsed, write_csv
 from megapost.config.presets import PRESETS
 from megapost.data import SentencePieceTokenizer
 from megapost.model import ModelConfig
-from megapost.plan.collapse_risk import predict
 from megapost.utils.atomic import atomic_write_text
 
 LADDER = ("llama-350m", "llama-760m", "llama-1.3b", "llama-3b", "llama-7b", "paper-180m")
@@ -223,6 +223,7 @@ def report(args: argparse.Namespace, points: list[Bracket]) -> dict:
     atomic_write_text(out / "boundary.json", json.dumps(data, indent=1))
     atomic_write_text(out / "verify.sh", "#!/usr/bin/env bash\n" + "\n".join(verify) + "\n")
     plot(out / "boundary.png", points, fit)
+    print(f"the planner's law: python tools/fit_collapse_law.py {out / 'boundary.json'}")
     print("| width | depth | lr* | bracket | probes (lr: collapsed/seeds) |\n|---|---|---|---|---|")
     for b in points:
         est = f"{b.estimate:.3g}" if b.status == "open" else b.status

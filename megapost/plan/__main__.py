@@ -17,7 +17,8 @@ from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import resolve_norm_position
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
-from megapost.plan.collapse_risk import collapse_risk, load_boundary
+from megapost.plan.collapse_law import load_law, run_factors
+from megapost.plan.collapse_risk import collapse_risk
 from megapost.plan.counts import parameter_counts
 from megapost.plan.memory import async_save_host_bytes
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
@@ -54,9 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="RMSNorm on the GPUs: torch's fused kernel, or apex's FusedRMSNorm when installed")
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
-    g.add_argument("--collapse-boundary", metavar="FILE", default=None,
-                   help="boundary JSON of tools/collapse_boundary.py for the collapse-risk line (default: "
-                   "$MEGAPOST_COLLAPSE_BOUNDARY or runs/collapse_boundary/boundary.json)")
+    g.add_argument("--collapse-law", "--collapse-boundary", dest="collapse_law", metavar="FILE", default=None,
+                   help="collapse-law fit of tools/fit_collapse_law.py for the collapse-risk line (default: "
+                   "$MEGAPOST_COLLAPSE_LAW, runs/collapse_law/law.json, else the shipped CPU fit)")
     return p
 
 
@@ -162,8 +163,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "ties": sum(1 for c in fitting if c.step_seconds <= best.step_seconds * (1 + TIE)) if best else 0,
         "async_save_host_gb_per_node": (async_save_host_bytes(cfg, best.layout)
                                         * min(args.gpus, args.gpus_per_node) / GiB if best else None),
-        "collapse_risk": collapse_risk(*load_boundary(args.collapse_boundary), args.norm_position,
-                                       cfg.hidden_size, cfg.num_layers, args.lr, args.lr_warmup_iters),
+        "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
+                                       run_factors(args, cfg), args.lr),
     }
 
 

@@ -9,8 +9,11 @@ stretches --lr-warmup-iters by F (``warmup`` = ``warmup*2``; a warmup already ov
 ``rewarm*F/W`` (alias ``warmup-restart*F/W``) re-warms from the rollback point: the schedule's lr times a
 ramp from F to 1 over the next W steps (``rewarm`` = ``rewarm*0.1/W`` with W = --lr-warmup-iters, or 50
 without warmup; each further rollback doubles W), ``skip`` keeps the data position (the window since
-the snapshot is not trained on again). After ``--collapse-guard-retries`` rollbacks the next event
-stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
+the snapshot is not trained on again), ``law`` re-warms like ``rewarm`` to the peak the collapse law
+(``--collapse-guard-law``, else the planner's fit) predicts safe for this run's own factors: P(collapse)
+per seed ``LAW_SAFE_P``, halved again when the run is already below it. A remedy that cannot change the
+run (``warmup*F`` without a warmup) is refused at start. After ``--collapse-guard-retries`` rollbacks the
+next event stops the run with one line. The counters and remedy scales are plugin state (checkpointed).
 Exact for ZeRO-0 in fp32 without pipeline parallelism; other layouts are refused.
 """
 
@@ -23,11 +26,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megapost.plugin_api import ConfigError, Flags, PluginContext
+from megapost.plugin_api import ConfigError, Flags, Law, ModelConfig, PluginContext, load_law, run_factors
 
-REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|"
+REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|(law)|"
                     r"(?:rewarm|warmup-restart)(?:\*([0-9.eE+-]+)(?:/([0-9]+))?)?)$")
 REWARM_FRACTION, REWARM_STEPS_NO_WARMUP = 0.1, 50
+LAW_SAFE_P = 0.05  # the law remedy's peak: predictive P(collapse) per seed
 
 
 def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
@@ -36,7 +40,9 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-guard-on", choices=["alarm", "early"], default="alarm",
                    help="the event that triggers a rollback ('early' needs --collapse-early-warning)")
     g.add_argument("--collapse-guard-remedy", default="lr*0.5", metavar="R",
-                   help="lr*F | warmup*F | warmup | rewarm[*F[/W]] (warmup-restart) | skip")
+                   help="lr*F | warmup*F | warmup | rewarm[*F[/W]] (warmup-restart) | law | skip")
+    g.add_argument("--collapse-guard-law", metavar="FILE", default=None,
+                   help="the law remedy's fit (tools/fit_collapse_law.py; default: the planner's)")
     g.add_argument("--collapse-guard-retries", type=int, default=2, metavar="N",
                    help="rollbacks before the run stops")
     g.add_argument("--collapse-guard-interval", type=int, default=50, metavar="M",
@@ -45,7 +51,7 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
 
 @dataclass
 class Remedy:
-    kind: str  # "lr", "warmup", "rewarm" or "skip"
+    kind: str  # "lr", "warmup", "rewarm", "law" or "skip"
     factor: float = 1.0
     steps: int = 0  # rewarm: ramp length (0: --lr-warmup-iters, or REWARM_STEPS_NO_WARMUP)
 
@@ -61,13 +67,15 @@ class Remedy:
             return cls("warmup", 2.0)
         if m and m.group(4):
             return cls("skip")
+        if m and m.group(5):
+            return cls("law", REWARM_FRACTION)
         fraction = 0.0
         with contextlib.suppress(ValueError):
-            fraction = float(m.group(5)) if m and m.group(5) else REWARM_FRACTION
+            fraction = float(m.group(6)) if m and m.group(6) else REWARM_FRACTION
         if m and 0 < fraction <= 1:
-            return cls("rewarm", fraction, int(m.group(6) or 0))
+            return cls("rewarm", fraction, int(m.group(7) or 0))
         raise ConfigError(f"--collapse-guard-remedy {text!r}: expected lr*F, warmup*F, warmup, "
-                          "rewarm[*F[/W]] with 0 < F <= 1, or skip")
+                          "rewarm[*F[/W]] with 0 < F <= 1, law, or skip")
 
 
 def check_guard_args(flags: Flags) -> None:
@@ -81,13 +89,38 @@ def check_guard_args(flags: Flags) -> None:
         raise ConfigError("--collapse-guard-on early needs --collapse-early-warning")
     if flags.collapse_guard_interval < 1 or flags.collapse_guard_retries < 0:
         raise ConfigError("--collapse-guard-interval must be >= 1 and --collapse-guard-retries >= 0")
-    Remedy.parse(flags.collapse_guard_remedy)
+    remedy = Remedy.parse(flags.collapse_guard_remedy)
+    if remedy.kind == "warmup" and not flags.lr_warmup_iters:
+        raise ConfigError(f"--collapse-guard-remedy {flags.collapse_guard_remedy}: stretches "
+                          "--lr-warmup-iters, which is 0 here, so it cannot change the run; use rewarm or "
+                          "law (re-warm from the rollback point)")
+    if remedy.kind == "law":
+        guard_law(flags)
+
+
+def guard_law(flags: Flags) -> tuple[Law, str]:
+    """The law remedy's fit (one-line error when there is none or it is for another placement)."""
+    law, source = load_law(flags.collapse_guard_law, "--collapse-guard-law")
+    if law is None:
+        raise ConfigError(f"--collapse-guard-remedy law: {source}")
+    if law.placement != flags.norm_position:
+        raise ConfigError(f"--collapse-guard-remedy law: {source} was fitted for --norm-position "
+                          f"{law.placement}, not {flags.norm_position}")
+    return law, source
 
 
 class Guard:
-    def __init__(self, flags: Flags) -> None:
+    def __init__(self, flags: Flags, model: ModelConfig) -> None:
         self.flags, self.on = flags, flags.collapse_guard_on
         self.remedy = Remedy.parse(flags.collapse_guard_remedy)
+        self.law_note, self.safe_lr = "", None
+        if self.remedy.kind == "law":
+            law, source = guard_law(flags)
+            pred = law.predict(run_factors(flags, model))
+            self.safe_lr = pred.lr_at(LAW_SAFE_P, law.sigma)
+            self.law_note = (f" (the law's P(collapse) = {LAW_SAFE_P:g} peak here: lr* {pred.lr_star:.3g} "
+                             f"[{pred.interval[0]:.3g}, {pred.interval[1]:.3g}], {source}"
+                             + ("; extrapolated" if pred.extrapolated or pred.not_modelled else "") + ")")
         self.interval, self.retries = flags.collapse_guard_interval, flags.collapse_guard_retries
         self.rollbacks = 0
         self.lr_scale = self.warmup_scale = 1.0
@@ -122,12 +155,15 @@ class Guard:
             self.lr_scale *= self.remedy.factor
         elif self.remedy.kind == "warmup":
             self.warmup_scale *= self.remedy.factor
+        elif self.remedy.kind == "law" and self.safe_lr is not None:
+            now = self.flags.lr * self.lr_scale
+            self.lr_scale *= self.safe_lr / now if now > self.safe_lr else 0.5
         counters = self.state_dict()
         ctx.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
         plugin_state[1](copy.deepcopy(snap["plugin"]))
         self.load_state_dict(counters)
         back = snap["trainer"]["iteration"]
-        if self.remedy.kind == "rewarm":
+        if self.remedy.kind in ("rewarm", "law"):
             steps = self.remedy.steps or self.flags.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
             steps *= 2 ** (self.rollbacks - 1)  # the same ramp again would replay the same failure
             self.rewarm = (back, steps, self.remedy.factor)
@@ -141,7 +177,7 @@ class Guard:
                          f"{lr:.3g}, warmup {warmup}"
                          + (", data window skipped" if self.remedy.kind == "skip" else "")
                          + (f", lr re-warmed from x{self.rewarm[2]:g} over {self.rewarm[1]} steps"
-                            if self.remedy.kind == "rewarm" else ""))}
+                            if self.remedy.kind in ("rewarm", "law") else "") + self.law_note)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "warmup_scale": self.warmup_scale,

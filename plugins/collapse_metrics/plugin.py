@@ -130,7 +130,7 @@ class CollapseMetricsPlugin(Plugin):
                   f"of layer {max(self.layers)} is not normalised after the add, so it grows by design (the "
                   "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
         check_guard_args(flags)
-        self.guard = Guard(flags) if flags.collapse_guard else None
+        self.guard = Guard(flags, cfg) if flags.collapse_guard else None
         check_autopsy_args(flags, ps.world_size)
         self.autopsy = Autopsy(flags, ctx.tensorboard_dir) if flags.collapse_autopsy else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration

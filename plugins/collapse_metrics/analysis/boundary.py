@@ -10,7 +10,8 @@ interval is the bracket (the seed noise of each decision is reported with the pr
 Fit: log lr* = a + b log d + c log L by least squares over the points with a finite bracket. Intervals
 by Monte Carlo over the brackets: each draw puts every point's log lr* uniformly in its bracket and
 refits; the 2.5/97.5 % quantiles of b and c are their intervals, and the stored draws give any
-prediction's interval (``megapost.plan.collapse_risk.predict``, which reads the JSON).
+prediction's interval (``predict``). This midpoint fit is the bisection's own summary; the planner's law
+is the maximum-likelihood fit over every probe's seeds (tools/fit_collapse_law.py reads boundary.json).
 """
 
 from __future__ import annotations
@@ -128,3 +129,16 @@ def fit_power_law(points: Sequence[Bracket], draws: int = 2000, seed: int = 0) -
             "samples": full[:: max(1, draws // 400)].round(6).tolist(),
             "range": {"widths": [float(w.min()), float(w.max())], "depths": [float(d.min()), float(d.max())]}}
 
+
+
+def predict(fit: dict[str, Any], width: float, depth: float) -> dict[str, Any]:
+    """lr*(width, depth) of ``fit_power_law``: point estimate, 95 % interval over the stored draws, and
+    whether (width, depth) lies inside the fitted range."""
+    x = np.array([1.0, math.log(width), math.log(depth)])
+    coef = np.array([fit["log_a"], fit["b_width"] or 0.0, fit["c_depth"] or 0.0])
+    vals = np.array(fit["samples"]) @ x
+    r = fit["range"]
+    inside = r["widths"][0] <= width <= r["widths"][1] and r["depths"][0] <= depth <= r["depths"][1]
+    lo, hi = np.quantile(vals, [0.025, 0.975])
+    return {"lr_star": math.exp(float(coef @ x)), "interval": [math.exp(float(lo)), math.exp(float(hi))],
+            "inside": inside}
