@@ -20,14 +20,15 @@ from safetensors import safe_open
 
 from megapost.checkpoint import layout_free as lf
 from megapost.config.errors import ConfigError
+from megapost.ds_adapter import fragments
 
 
 def load(engine: Any, pstate: Any, tag_dir: str, header: dict[str, Any], params: dict[str, Any],
          keys: list[str], layout: dict[str, Any] | None = None) -> Any:
     """At ``layout`` (this run's) = the tag's, with every local parameter partitioned: copy this rank's
     fragments (fp32 and ``keys``) from its own file only and return its RNG; else None."""
-    partitioned = all(lf._is_mapped(p) for p in params.values()) and hasattr(engine.optimizer,
-                                                                             "update_lp_params")
+    partitioned = all(lf._is_mapped(p) for p in params.values()) and \
+        fragments.can_rebuild_weights(engine.optimizer)
     if not (header.get("format") == 2 and layout is not None and header.get("layout") == layout and params
             and partitioned):
         return None
@@ -35,16 +36,16 @@ def load(engine: Any, pstate: Any, tag_dir: str, header: dict[str, Any], params:
     with safe_open(path, framework="pt") as f, torch.no_grad():
         head = json.loads(f.metadata()["megapost"])
         for name, p in params.items():
-            mapping = p._hp_mapping
-            if mapping is None:
+            address = fragments.fragment_address(p)
+            if address is None:
                 continue  # none of p in this rank's partition: the all-gather brings it
-            saved, address = head["params"].get(name), mapping.lp_fragment_address
-            if saved is None or (saved["start"], saved["numel"]) != (address.start, address.numel):
+            saved = head["params"].get(name)
+            if saved is None or (saved["start"], saved["numel"]) != address:
                 raise ConfigError(f"--load {path}: the fragment of {name} differs from this rank's "
                                   "partition at the same layout; load it at another layout or report this")
-            mapping.get_hp_fragment().copy_(f.get_tensor(f"fp32/{name}"))
+            fragments.write_fragment(p, fragments.MASTER, f.get_tensor(f"fp32/{name}"))
             for k in keys:
-                mapping.get_hp_fragment(k).copy_(f.get_tensor(f"{k}/{name}"))
+                fragments.write_fragment(p, k, f.get_tensor(f"{k}/{name}"))
         rng = lf._decode(head["rng"], {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng")})
-    engine.optimizer.update_lp_params()  # the bf16/module weights from the fp32 partitions, all-gathered
+    fragments.rebuild_weights(engine.optimizer)  # the bf16/module weights, all-gathered
     return rng

@@ -69,3 +69,30 @@ def set_full(p: nn.Parameter, fp32: torch.Tensor, states: dict[str, torch.Tensor
     safe_set_full_fp32_param(p, fp32)
     for key, value in states.items():
         safe_set_full_optimizer_state(p, value, key)
+
+
+def fragment_address(p: nn.Parameter) -> tuple[int, int] | None:
+    """(start, numel) in the flattened ``p`` of the fragment this rank owns; None when it owns none."""
+    mapping = p._hp_mapping
+    if mapping is None:
+        return None
+    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+
+
+def write_fragment(p: nn.Parameter, key: str, value: torch.Tensor) -> None:
+    """Copy ``value`` (this rank's fragment, 1-D) into the fp32 master (``MASTER``) or the optimizer
+    state ``key`` of a mapped ``p``."""
+    mapping = p._hp_mapping
+    target = mapping.get_hp_fragment() if key == MASTER else mapping.get_hp_fragment(key)
+    with torch.no_grad():
+        target.copy_(value.reshape(target.shape))
+
+
+def can_rebuild_weights(optimizer: Any) -> bool:
+    """The optimizer rebuilds its low-precision/module weights from its fp32 partitions itself."""
+    return hasattr(optimizer, "update_lp_params")
+
+
+def rebuild_weights(optimizer: Any) -> None:
+    """The module's weights from the fp32 partitions, all-gathered (what an optimizer step ends with)."""
+    optimizer.update_lp_params()
