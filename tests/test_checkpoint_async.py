@@ -75,7 +75,7 @@ def test_same_layout_resume_reads_only_its_own_shard(tiny_data, tmp_path) -> Non
              "--save-interval": 2}
     run_ranks(train, 4, _argv(tiny_data, ckpt, **{**flags, "--train-iters": 2}), timeout=900)
     resume = _argv(tiny_data, tmp_path / "unused", **{**flags, "--train-iters": 3, "--load": ckpt})
-    for assembled, low, high in ((False, 1.0, 1.1), (True, 3.5, 4.5)):
+    for assembled, low, high in ((False, 0.95, 1.1), (True, 3.5, 4.5)):
         for r, got in enumerate(run_ranks(resume_reads, 4, resume, assembled, timeout=900)):
             ratio = sum(got["read"].values()) / got["own"]
             print(f"{'assembled' if assembled else 'own shard'}: rank {r} read {sum(got['read'].values())} "

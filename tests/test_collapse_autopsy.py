@@ -48,7 +48,7 @@ def test_preconditioned_sharpness_matches_the_exact_hessian():
         torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
         opt.step()
     args = argparse.Namespace(collapse_autopsy=1, collapse_autopsy_after=1, collapse_autopsy_on="alarm",
-                              collapse_autopsy_power_iters=200)
+                              collapse_autopsy_power_iters=200, collapse_autopsy_hessian_every=1)
     autopsy = Autopsy(args, None)
     autopsy.probe = {"tokens": tokens, "labels": labels}
     before = [p.detach().clone() for p in model.parameters()]

@@ -117,9 +117,15 @@ class CheckpointFolder:
             return Resolved(named + OLD_SUFFIX, f"{flag} {self.path}: {named} was being re-published; "
                                                 "loading its previous copy")
         fallback = next((t for t in reversed(tags) if self.is_complete(t)), None)
+        if fallback is None and named is not None and os.path.isdir(self._p(named)):
+            return Resolved(named)  # the only candidate, broken: loading it names what is wrong, one line
         if fallback is None:
-            why = "no 'latest' file" if not os.path.exists(self._p(LATEST)) else \
-                f"'latest' names {named or 'nothing readable'}"
+            if not os.path.exists(self._p(LATEST)):
+                why = "no 'latest' file"
+            elif named is None:
+                why = "'latest' is empty or unreadable"
+            else:
+                why = f"'latest' names {named}, which does not exist"
             raise ConfigError(f"{flag} {self.path}: {why} and no complete tag ({have}); is this a megapost/"
                               "DeepSpeed checkpoint?")
         why = f"names {named}, which is missing or incomplete" if named else "is missing, empty or unreadable"
@@ -129,9 +135,10 @@ class CheckpointFolder:
     def last_complete(self) -> str | None:
         """``folder/tag`` a resume would load now, None when there is none."""
         try:
-            return self._p(self.resolve().tag)
+            tag = self.resolve().tag
         except ConfigError:
             return None
+        return self._p(tag) if self.is_complete(tag) else None
 
     # ---- changing (global rank 0) ---------------------------------------------------------
     def publish(self, tag: str) -> None:
