@@ -88,7 +88,7 @@ def test_healthy_run_does_not_warn(tiny_data, tmp_path, norm):
         assert "early warning off" in proc.stdout
     else:
         assert all(r["early_warning"] is False for r in steps)
-        assert read_scalars(tmp_path, "collapse/early_warning")
+        assert not read_scalars(tmp_path, "collapse/alarm/early_warning_at_step")  # never went on
 
 
 def test_guard_rolls_back_exactly_and_retries_are_bounded(tiny_data, tmp_path):

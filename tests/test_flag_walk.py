@@ -47,6 +47,7 @@ WORLD: dict[str, int] = {"--no-overlap-grad-reduce": 2, "--overlap-grad-reduce":
 ACCEPT_ONLY: dict[str, str] = {
     "--allow-tokenizer-mismatch": "test_data_trust.py (data tokenized by another tokenizer)",
     "--override-data": "test_data_trust.py (a resume on other data)",
+    "--collapse-guard-law": "test_guard_law.py (the law remedy reads the given fit)",
     "--local_rank": "set by the launcher: the rank's device (every multi-rank test)",
 }
 

@@ -99,13 +99,14 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     table = run([sys.executable, "tools/placement_table.py", "--sweep", f"tiny={sweep}", "--sweep",
                  f"again={sweep}", "--out", str(out)])
     md = (tmp_path / "table" / "study.md").read_text()
-    assert table.stdout.startswith(md)
+    assert md in table.stdout  # (after any import-time warning line of DeepSpeed)
     assert md.startswith("| config | variant | outcome | final loss | L | gap |")
     table_rows = list(csv.DictReader(open(tmp_path / "table" / "study.csv")))
     assert [(r["config"], r["variant"]) for r in table_rows] == [
         ("tiny", "post+qk-norm"), ("tiny", "pre"), ("again", "post+qk-norm"), ("again", "pre")]
     for t, r in zip(table_rows, rows + rows, strict=True):
-        assert t["outcome"] == r["outcome"] and float(t["final_gap"]) == pytest.approx(float(r["final_gap"]))
+        gap = pytest.approx(float(r["final_gap"]), rel=1e-5)  # the table: 6 digits
+        assert t["outcome"] == r["outcome"] and float(t["final_gap"]) == gap
         final = float(r["final_gap"]) + float(r["freq_loss"])
         assert float(t["final_loss"]) == pytest.approx(final, abs=1e-3)
         assert float(t["final_tsim"]) == pytest.approx(float(r["final_tsim"]), rel=1e-3)

@@ -101,7 +101,8 @@ class CheckpointFolder:
 
     def resolve(self, flag: str = "--load", step: int | None = None) -> Resolved:
         """The tag to load: ``--ckpt-step`` ``step``'s, else the one ``latest`` names, else (missing,
-        unreadable or incomplete) the newest complete tag with a note; a one-line error when none."""
+        unreadable, or naming a tag that does not exist) the newest complete tag with a note; a one-line
+        error when none."""
         tags = self.tags()
         have = f"tags there: {', '.join(tags[-3:])}" if tags else "no tag there"
         if step is not None:
@@ -111,14 +112,14 @@ class CheckpointFolder:
                                   "one of its tags' iterations")
             return Resolved(tag, f"--ckpt-step {step}: loading {tag} from {self.path} (not 'latest')")
         named = self.latest_name()
-        if named is not None and self.is_complete(named):
+        if named is not None and os.path.isdir(self._p(named)):
+            # complete, or damaged after publishing (a lost or truncated rank file): loading it names
+            # what is wrong in one line, rather than resuming silently from an older tag
             return Resolved(named)
         if named is not None and not os.path.isdir(self._p(named)) and self.is_complete(named + OLD_SUFFIX):
             return Resolved(named + OLD_SUFFIX, f"{flag} {self.path}: {named} was being re-published; "
                                                 "loading its previous copy")
         fallback = next((t for t in reversed(tags) if self.is_complete(t)), None)
-        if fallback is None and named is not None and os.path.isdir(self._p(named)):
-            return Resolved(named)  # the only candidate, broken: loading it names what is wrong, one line
         if fallback is None:
             if not os.path.exists(self._p(LATEST)):
                 why = "no 'latest' file"
