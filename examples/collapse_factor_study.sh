@@ -7,7 +7,10 @@
 # workers. Every sweep is its own folder under $OUT with a results.csv rewritten after every run (one row
 # per run: docs/collapse_study.md "results.csv columns"); everything is resumable (a rerun reads finished
 # runs back), so stopping and re-running this script loses at most the runs in flight. PARTS picks parts
-# (default: all, in priority order): warmup depth width paper w2000 factors.
+# (default: all, in priority order): warmup depth width paper w2000 factors. WIDE: the widths of the
+# width part. KEEP (default study/results): where each sweep's results.csv is copied after every sweep, the
+# folder the shipped law is fitted from (tools/fit_collapse_law.py study/results), so the study's data
+# travels with the repository and not only with $OUT.
 #
 #   OUT=/work/study bash examples/collapse_factor_study.sh
 #   PARTS=warmup,depth OUT=/work/study bash examples/collapse_factor_study.sh
@@ -17,6 +20,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/factor_study}
 PARTS=${PARTS:-warmup,depth,width,paper,w2000,factors}
 JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
+WIDE=${WIDE:-512 768}
+KEEP=${KEEP:-study/results}
 DATA=${DATA:-$OUT/data}  # the corpus, tokenized with 512/2048/8192-token BPEs and the default 32k tokenizer
 read -r -a EXTRA <<< "${STUDY_FLAGS:-}"  # e.g. --flush-denormal, or --engine subprocess
 LAW=megapost/plan/collapse_boundary_post.json
@@ -53,6 +58,10 @@ sweep() {  # sweep NAME [collapse_boundary flags...]: one bracket folder, its st
   python tools/collapse_boundary.py --out "$OUT/$name" $(vocab 2048) "${COMMON[@]}" "$@" "${EXTRA[@]}" \
     > "$OUT/$name.log" 2>&1 || rc=$?
   flock -u "$lock"
+  if [ -n "$KEEP" ] && [ -f "$OUT/$name/results.csv" ]; then  # temp name, then rename
+    mkdir -p "$KEEP/$name" && cp "$OUT/$name/results.csv" "$KEEP/$name/.results.csv.tmp" \
+      && mv "$KEEP/$name/.results.csv.tmp" "$KEEP/$name/results.csv"
+  fi
   echo "$(date -u +%H:%M:%S) finished $name (exit $rc, $(( $(date +%s) - t0 )) s, $(tail -n +2 "$OUT/$name/results.csv" 2>/dev/null | wc -l) runs)" >> "$OUT/STATUS.md"
 }
 
@@ -65,7 +74,7 @@ part_depth() {  # warmup x depth
   done; done
 }
 part_width() {  # widths above 256 at 4 layers, 4 heads as the 64-256 grid (one seed, 1 bisection: costly runs)
-  for d in 512 768; do sweep "width/d$d" --widths "$d" --seeds 1 --bisect-steps 1; done
+  for d in $WIDE; do sweep "width/d$d" --widths "$d" --seeds 1 --bisect-steps 1; done
 }
 part_paper() {  # the paper's shape 512 x 48 (8 heads) at seq 16 x batch 4, 40 steps, warmup 10, one seed
   sweep "paper_512x48" --widths 512 --depths 48 --heads 8 --seq-length 16 --batch 4 --iters 40 --warmup 10 \
