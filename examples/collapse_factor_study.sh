@@ -7,7 +7,7 @@
 # workers. Every sweep is its own folder under $OUT with a results.csv rewritten after every run (one row
 # per run: docs/collapse_study.md "results.csv columns"); everything is resumable (a rerun reads finished
 # runs back), so stopping and re-running this script loses at most the runs in flight. PARTS picks parts
-# (default: all, in priority order): warmup depth width paper w2000 factors. WIDE: the widths of the
+# (default: all, in priority order): warmup depth width paper w2000 factors deep. WIDE: the widths of the
 # width part. KEEP (default study/results): where each sweep's results.csv is copied after every sweep, the
 # folder the shipped law is fitted from (tools/fit_collapse_law.py study/results), so the study's data
 # travels with the repository and not only with $OUT.
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-runs/factor_study}
-PARTS=${PARTS:-warmup,depth,width,paper,w2000,factors}
+PARTS=${PARTS:-warmup,depth,width,paper,w2000,factors,deep}
 JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
 WIDE=${WIDE:-512 768}
 KEEP=${KEEP:-study/results}
@@ -81,6 +81,11 @@ part_paper() {  # the paper's shape 512 x 48 (8 heads) at seq 16 x batch 4, 40 s
     --seeds 1 --bisect-steps 1 --interval 2
 }
 part_w2000() { sweep "warmup/w2000" --warmup 2000 --iters 2130 --seeds 1,2 --interval 20; }
+part_deep() {  # warmup x depth at the paper's 48 layers (width 64): the depth x warmup term measured, not extrapolated
+  for w in 0 20 100 500; do
+    sweep "warmup_depth/L48_w$w" --depths 48 --warmup "$w" --iters $(( w + 130 > 150 ? w + 130 : 150 ))
+  done
+}
 part_factors() {  # one factor at a time from the base shape
   for b in 4 32; do sweep "tokens/b$b" --batch "$b"; done                        # tokens per step 128, 1024
   for it in 300 600; do sweep "length/i$it" --iters "$it"; done                    # training length
@@ -95,7 +100,7 @@ part_factors() {  # one factor at a time from the base shape
 
 mkdir -p "$OUT"
 prepare
-for part in warmup depth width paper w2000 factors; do
+for part in warmup depth width paper w2000 factors deep; do
   [[ ",$PARTS," == *",$part,"* ]] && "part_$part"
 done
 echo "$(date -u +%H:%M:%S) study done ($PARTS)" >> "$OUT/STATUS.md"
