@@ -5,10 +5,11 @@ A probe is one (configuration x, lr) with k of n seeds collapsed. The probit GLM
 eta = a log lr - g . z(x), P = Phi(eta) is fitted by Fisher scoring (concave log-likelihood; a 1e-6 ridge
 keeps a separable data set finite); then sigma = 1/a and coef = g/a. Forms (warmup term, its w0, a
 depth x warmup interaction) are compared by AIC (w0 counts as a parameter); the forms within
-``ALT_DELTA_AIC`` are kept as the model-form term of the intervals. Uncertainty: ``cov`` is the
-covariance of coef over a bootstrap that resamples whole configurations (every probe and seed of one
-(x) together: seed noise and between-shape scatter), and ``tau`` is the residual scatter of each
-configuration's own log lr* around the law beyond its own standard error (method of moments).
+``ALT_DELTA_AIC`` are kept as the model-form term of the intervals. Uncertainty: ``tau`` is the residual
+scatter of each configuration's own log lr* around the law beyond its own standard error (method of
+moments); ``cov`` is the coefficients' covariance over a seed bootstrap (each probe's count redrawn at the
+fit: the noise of every vote) plus tau^2 (Z'Z)^-1, the scatter's share (a configuration random effect).
+A prediction's variance adds tau^2 itself.
 """
 
 from __future__ import annotations
@@ -191,21 +192,33 @@ def residual_tau(probes: Sequence[Probe], fit: FormFit) -> float:
 
 
 def bootstrap_cov(probes: Sequence[Probe], fit: FormFit, draws: int, seed: int) -> np.ndarray:
-    """Covariance of coef over ``draws`` refits on configurations resampled with replacement."""
+    """Covariance of coef over ``draws`` refits of a seed bootstrap: every probe's collapsed count redrawn
+    as Binomial(n, P(collapse)) at the fit (the seed noise of each vote). Every configuration stays in
+    every draw, so a factor measured at one configuration keeps its term (a configuration resample drops
+    such a factor in ~1/3 of the draws and its refits then cannot be used)."""
     rng = np.random.default_rng(seed)
-    configs = list(groups(probes).values())
+    x, _, n = _arrays(probes, fit.form)
+    p = np.clip(_phi(x @ fit.theta)[0], 1e-12, 1 - 1e-12)
     coefs = []
     for _ in range(draws):
-        sample = [p for i in rng.integers(0, len(configs), len(configs)) for p in configs[i]]
+        k = rng.binomial(n.astype(int), p).astype(float)
         try:
-            if set(varying(sample)) >= set(f for f in fit.form.factors):
-                coefs.append(fit_form(sample, fit.form, fit.theta).coef)
+            theta, _ = probit_mle(x, k, n, fit.theta)
         except (ValueError, np.linalg.LinAlgError):
             continue
+        if theta[0] > 0:
+            coefs.append(theta[1:] / theta[0])
     if len(coefs) < max(10, draws // 2):
-        raise ValueError(f"only {len(coefs)} of {draws} bootstrap refits had every factor varying: "
-                         "too few configurations for this form")
+        raise ValueError(f"only {len(coefs)} of {draws} seed-bootstrap refits converged: the data hold no "
+                         "stable boundary for this form")
     return np.atleast_2d(np.cov(np.array(coefs).T))
+
+
+def scatter_cov(probes: Sequence[Probe], fit: FormFit, tau: float) -> np.ndarray:
+    """The coefficients' covariance from the residual scatter: each configuration's log lr* off the law by
+    an independent N(0, tau^2) (a random effect), i.e. tau^2 (Z'Z)^-1 over the configurations' designs."""
+    z = np.array([fit.form.design(ps[0].factors) for ps in groups(probes).values()])
+    return tau * tau * np.linalg.pinv(z.T @ z)
 
 
 def select_forms(probes: Sequence[Probe], ignore: Sequence[str] = ()) -> list[FormFit]:
@@ -220,9 +233,9 @@ def select_forms(probes: Sequence[Probe], ignore: Sequence[str] = ()) -> list[Fo
 
 
 def branch(probes: Sequence[Probe], fit: FormFit, best_aic: float, draws: int, seed: int) -> Branch:
-    cov = bootstrap_cov(probes, fit, draws, seed)
-    return Branch(fit.form, [float(c) for c in fit.coef], cov.tolist(), residual_tau(probes, fit),
-                  fit.aic - best_aic)
+    tau = residual_tau(probes, fit)
+    cov = bootstrap_cov(probes, fit, draws, seed) + scatter_cov(probes, fit, tau)
+    return Branch(fit.form, [float(c) for c in fit.coef], cov.tolist(), tau, fit.aic - best_aic)
 
 
 def separable(probes: Sequence[Probe]) -> tuple[list[Probe], list[Probe], dict[str, float], list[str]]:
