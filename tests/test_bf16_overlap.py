@@ -1,0 +1,75 @@
+"""``--overlap-grad-reduce`` with ``--bf16`` at ZeRO-1 (megapost.ds_adapter.overlap, Megatron-core DDP's
+overlap_grad_reduce on DeepSpeed's bf16 optimizer), at DP2 on gloo: the same training bit for bit as
+DeepSpeed's one blocking reduction, and each bucket's all-reduce launched asynchronously during the
+last micro-batch's backward, before the backward of the layers below it, and waited for before the
+optimizer step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapost.ds_adapter.overlap import cut_buckets
+
+
+def test_buckets_cover_the_buffer_in_backward_order() -> None:
+    """Whole parameters, walked from the last; the last parameter's bucket keeps the padding."""
+    assert cut_buckets([4, 3, 5, 2], 16, 6) == [(7, 16, (2, 3)), (0, 7, (0, 1))]
+    assert cut_buckets([4, 3, 5, 2], 14, 1) == [(12, 14, (3,)), (7, 12, (2,)), (4, 7, (1,)), (0, 4, (0,))]
+    assert cut_buckets([4, 3], 8, 100) == [(0, 8, (0, 1))]
+
+
+@pytest.fixture(scope="module")
+def both(tiny_data):
+    from bf16_overlap_trace import run
+
+    return run(tiny_data, dp=2)
+
+
+def _last_micro_batch(events: list[str]) -> list[str]:
+    ends = [i for i, e in enumerate(events) if e == "micro_batch_backward_end"]
+    return events[ends[-2] + 1:]
+
+
+@pytest.mark.slow  # one 2-rank launch, two 4-step runs: ~1 min on 2 busy cores
+def test_overlap_trains_bit_for_bit_as_the_blocking_reduction(both) -> None:
+    for r, ranks in enumerate(both):
+        plain, over = ranks["plain"], ranks["overlap"]
+        assert (plain["optimizer"], over["optimizer"]) == ("BF16_Optimizer", "BF16_Optimizer")
+        assert over["buckets"] and not plain["buckets"]  # only the overlapped run installed buckets
+        print(f"rank {r}: losses {over['losses']} (plain {plain['losses']}), norms {over['grad_norms']}")
+        assert over["losses"] == plain["losses"] and over["grad_norms"] == plain["grad_norms"]
+        assert over["masters"].keys() == plain["masters"].keys() and over["masters"]
+        for name, m in plain["masters"].items():
+            assert torch.equal(over["masters"][name], m), f"rank {r}: fp32 master of {name} differs"
+    for name, w in both[0]["plain"]["weights"].items():
+        assert torch.equal(both[0]["overlap"]["weights"][name], w), f"bf16 weight {name} differs"
+    assert both[0]["overlap"]["losses"] == both[1]["overlap"]["losses"]
+
+
+@pytest.mark.slow  # shares the launch above
+def test_buckets_reduce_during_the_last_backward(both) -> None:
+    for r, ranks in enumerate(both):
+        events, buckets = ranks["overlap"]["events"], ranks["overlap"]["buckets"]
+        blocks = sum(1 for e in set(events) if e.endswith("_backward_end") and e.startswith("block"))
+        last = _last_micro_batch(events)
+        earlier = events[:len(events) - len(last)]
+        print(f"rank {r}: {len(buckets)} buckets {buckets}\n last micro-batch: {' '.join(last)}")
+        assert not [e for e in earlier if e.startswith("launch:b")], "a bucket reduced before the last backward"
+        launches = [i for i, e in enumerate(last) if e.startswith("launch:b")]
+        assert sorted(last[i].split(":")[1] for i in launches) == sorted(f"b{k}" for k in range(len(buckets)))
+        assert all(last[i].endswith(":async") for i in launches)
+        at = {e: i for i, e in enumerate(last)}
+        end = at["boundary_reduction"]
+        assert all(i < end for i in launches), "a bucket launched only after backward"
+        # all but the last bucket launched before the blocks' backward has ended, and every bucket
+        # holding only blocks >= k (or the head) before the backward of block k - 1 has ended
+        assert sum(i < at["block0_backward_end"] for i in launches) == len(buckets) - 1, last
+        constrained = [k for k, b in enumerate(buckets) if b["lowest_block"] >= 1]
+        assert len(constrained) >= blocks, buckets  # the model is cut finer than one bucket per block
+        for k in constrained:
+            below = buckets[k]["lowest_block"] - 1
+            assert at[f"launch:b{k}:async"] < at[f"block{below}_backward_end"], (k, buckets[k], last)
+        waits = [i for i, e in enumerate(last) if e.startswith("wait:")]
+        assert len(waits) == len(buckets) and min(waits) > max(launches)
+        assert max(waits) < at["optimizer_step"]
