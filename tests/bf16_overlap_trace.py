@@ -62,7 +62,8 @@ def _traced_step(self: Any, step: int, original: Any, out: dict[str, Any]) -> An
 
     engine, events = self.engine, out["events"]
     overlap = ds_overlap.installed(engine)
-    saved_reduce, saved_step, saved_backward = dist.all_reduce, engine.optimizer.optimizer.step, engine.backward
+    saved_reduce, saved_backward = dist.all_reduce, engine.backward
+    saved_step = engine.optimizer.optimizer.step
     saved_finish = engine.allreduce_gradients
 
     def all_reduce(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
@@ -93,7 +94,8 @@ def _traced_step(self: Any, step: int, original: Any, out: dict[str, Any]) -> An
     try:
         return original(self, step)
     finally:
-        dist.all_reduce, engine.backward, engine.allreduce_gradients = saved_reduce, saved_backward, saved_finish
+        dist.all_reduce, engine.backward = saved_reduce, saved_backward
+        engine.allreduce_gradients = saved_finish
         engine.optimizer.optimizer.step = saved_step
         for h in handles:
             h.remove()
@@ -142,7 +144,8 @@ def train(argv: list[str]) -> dict[str, Any]:
 
 
 def train_both(argv: list[str]) -> dict[str, Any]:
-    return {"plain": train([*argv, "--no-overlap-grad-reduce"]), "overlap": train([*argv, "--overlap-grad-reduce"])}
+    return {"plain": train([*argv, "--no-overlap-grad-reduce"]),
+            "overlap": train([*argv, "--overlap-grad-reduce"])}
 
 
 def run(data: Any, dp: int = 2, flags: tuple[str, ...] = ()) -> list[dict[str, Any]]:

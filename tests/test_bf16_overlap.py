@@ -55,7 +55,7 @@ def test_buckets_reduce_during_the_last_backward(both) -> None:
         last = _last_micro_batch(events)
         earlier = events[:len(events) - len(last)]
         print(f"rank {r}: {len(buckets)} buckets {buckets}\n last micro-batch: {' '.join(last)}")
-        assert not [e for e in earlier if e.startswith("launch:b")], "a bucket reduced before the last backward"
+        assert not [e for e in earlier if e.startswith("launch:b")], "reduced before the last backward"
         launches = [i for i, e in enumerate(last) if e.startswith("launch:b")]
         assert sorted(last[i].split(":")[1] for i in launches) == sorted(f"b{k}" for k in range(len(buckets)))
         assert all(last[i].endswith(":async") for i in launches)

@@ -109,8 +109,8 @@ class GradOverlap:
         k = j - b.params[0]  # a bucket's parameters are consecutive
         if b.ready[k]:
             if b.handle is not None:
-                raise RuntimeError(f"--overlap-grad-reduce: a gradient of parameter group {i} arrived twice in "
-                                   "one backward, after its bucket's reduction was launched")
+                raise RuntimeError(f"--overlap-grad-reduce: a gradient of parameter group {i} arrived "
+                                   "twice in one backward, after its bucket's reduction was launched")
             return
         b.ready[k] = True
         b.pending -= 1
