@@ -31,8 +31,8 @@ def _last_micro_batch(events: list[str]) -> list[str]:
     return events[ends[-2] + 1:]
 
 
-@pytest.mark.slow  # one 2-rank launch, two 4-step runs: ~1 min on 2 busy cores
-def test_overlap_trains_bit_for_bit_as_the_blocking_reduction(both) -> None:
+def _assert_same_training(both) -> None:
+    """Losses, grad norms, every rank's fp32 master fragments and the bf16 weights, bit for bit."""
     for r, ranks in enumerate(both):
         plain, over = ranks["plain"], ranks["overlap"]
         assert (plain["optimizer"], over["optimizer"]) == ("BF16_Optimizer", "BF16_Optimizer")
@@ -45,6 +45,20 @@ def test_overlap_trains_bit_for_bit_as_the_blocking_reduction(both) -> None:
     for name, w in both[0]["plain"]["weights"].items():
         assert torch.equal(both[0]["overlap"]["weights"][name], w), f"bf16 weight {name} differs"
     assert both[0]["overlap"]["losses"] == both[1]["overlap"]["losses"]
+
+
+@pytest.mark.slow  # one 2-rank launch, two 4-step runs: ~1 min on 2 busy cores
+def test_overlap_trains_bit_for_bit_as_the_blocking_reduction(both) -> None:
+    _assert_same_training(both)
+
+
+@pytest.mark.slow  # another 2-rank launch: ~1 min
+def test_overlap_reducing_in_bf16_trains_as_the_blocking_reduction(tiny_data) -> None:
+    """--grad-reduce-in-bf16: each bucket cast to bf16, all-reduced, scaled and copied back, as
+    DeepSpeed's blocking reduction does with the whole buffer."""
+    from bf16_overlap_trace import run
+
+    _assert_same_training(run(tiny_data, dp=2, flags=("--grad-reduce-in-bf16",)))
 
 
 @pytest.mark.slow  # shares the launch above

@@ -14,9 +14,11 @@ backward goes on. The engine's boundary reduction is replaced by: launch any buc
 (a parameter that received no gradient), wait for every handle in launch order, then apply DeepSpeed's
 scaling (and, with a non-fp32 ``communication_data_type``, its cast back). So the same buffers are
 reduced with the same arithmetic (sum, then x 1/DP): the same bits at DP2 (a sum of two operands
-does not depend on how the buffer is cut; at DP > 2 a ring's summation order follows the chunking,
-so the result agrees to fp32 rounding), and the same bytes (every element of every buffer once). No
-host read is added; ``wait()`` of an NCCL handle only orders the compute stream after the reduction.
+does not depend on how the buffer is cut; tests/test_bf16_overlap.py), and the same bytes (every
+element of every buffer once; tests/test_reduce_bytes.py). At DP > 2 a ring's summation order
+follows the chunking of the buffer, so the last bit may differ (not tested). No host read is added
+(tests/test_host_syncs.py); ``wait()`` of an NCCL handle only orders the compute stream after the
+reduction.
 
 Every rank must produce the same parameters' gradients in the same order (as in Megatron's DDP):
 the collectives are matched by launch order.
