@@ -15,8 +15,9 @@ backward goes on. The engine's boundary reduction is replaced by: launch any buc
 scaling (and, with a non-fp32 ``communication_data_type``, its cast back). So the same buffers are
 reduced with the same arithmetic (sum, then x 1/DP): the same bits at DP2 (a sum of two operands
 does not depend on how the buffer is cut; tests/test_bf16_overlap.py), and the same bytes (every
-element of every buffer once; tests/test_reduce_bytes.py). At DP > 2 a ring's summation order
-follows the chunking of the buffer, so the last bit may differ (not tested). No host read is added
+element of every buffer once; tests/test_reduce_bytes.py). At DP > 2 a ring sums a bucket's elements
+in an order that follows the cut, so a reduced gradient may differ in its last bit: fp32 rounding,
+not bits, is promised there (DP4 on gloo: tests/test_bf16_overlap.py). No host read is added
 (tests/test_host_syncs.py); ``wait()`` of an NCCL handle only orders the compute stream after the
 reduction.
 
