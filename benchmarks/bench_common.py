@@ -48,16 +48,16 @@ def _placeholder_data(vocab: int, seq: int) -> str:
 
 
 def build_trainer(b: argparse.Namespace, extra_flags: Sequence[str] = (), plugin_classes: Sequence[type] = (),
-                  tb_dir: str | None = None) -> tuple[Trainer, ModelConfig, Any]:
+                  tb_dir: str | None = None, world_size: int = 1) -> tuple[Trainer, ModelConfig, Any]:
     """megapost's Trainer (real engine, hooks and plugins) on synthetic batches; returns it, the
-    model config and args."""
+    model config and args (``world_size`` > 1: this process is one data-parallel rank of a launch)."""
     argv = ["--num-layers", str(b.layers), "--hidden-size", str(b.hidden), "--ffn-hidden-size",
             str(3 * b.hidden), "--seq-length", str(b.seq), "--micro-batch-size", str(b.micro),
-            "--global-batch-size", str(b.micro * b.accum), "--tokenizer-type", "NullTokenizer",
+            "--global-batch-size", str(b.micro * b.accum * world_size), "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(b.vocab), "--data-path", _placeholder_data(b.vocab, b.seq), "--lr", "1e-4",
             "--lr-decay-style", "constant", "--peak-tflops", "1", *extra_flags,
             *(["--tensorboard-dir", tb_dir] if tb_dir else [])]
-    prep = prepare(argv, world_size=1)
+    prep = prepare(argv, world_size=world_size)
     prep = Prepared(prep.args, prep.model, prep.user_ds, list(plugin_classes) or prep.plugin_classes)
     cfg = prep.model
     batches = DataSource(lambda _consumed: synthetic_batches(cfg.vocab_size, b.micro, b.seq), lambda: None)

@@ -4,10 +4,14 @@ the device, in < 10 minutes on one H200, into one JSON and a table.
     python benchmarks/gpu_check.py [--out gpu_check.json] [--steps 10]
     python benchmarks/gpu_check.py --dry-run     # CPU smoke: the same checks at tiny shapes (CI)
 
-Checks (megapost's real Trainer and DeepSpeed engine, synthetic batches, one process):
+Checks (megapost's real Trainer and DeepSpeed engine, synthetic batches, one process; the DP2 check
+two):
   * bytes moved by collectives per optimizer step at 1, 4 and 8 micro-batches (bf16, ZeRO-2, overlap),
     counted by wrapping torch.distributed's collectives on this 1-rank world: grows with the
     micro-batches if gradients are reduced every micro-batch (issue 27 item 2); 0 if DP=1 skips them;
+  * at DP2 (two GPUs; with one, skipped in one line; the CPU smoke runs it over gloo): the ring bytes
+    per step at 1, 4 and 8 micro-batches with bf16 ``--overlap-grad-reduce`` beside the planner's
+    figure (benchmarks/dp_bytes.py; equal within 5 % if reduced once per step as planned);
   * the non-finite skip: inf injected into one gradient; the weights must stay bit-for-bit unchanged;
   * the async save: which thread takes the snapshot and which CUDA device it is on (must be the
     rank's), whether the host buffer is pinned, its bytes beside the planner's figure;
@@ -27,55 +31,16 @@ from typing import Any
 import torch
 from bench_common import build_trainer
 from case_runner import run_cases
+from collective_bytes import CollectiveBytes
+from dp_bytes import dp_reduce_bytes, shape_flags, shape_ns
 from gpu_suite import FULL, TINY, measure
 from toolchain import compile_toolchain_missing
 
 from megapost.plan.memory import Layout, async_save_host_bytes
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce", "broadcast",
-               "all_gather", "reduce_scatter", "_reduce_scatter_base", "_all_gather_base")
+__all__ = ["CollectiveBytes", "main"]
 
-
-def _shape_ns(shape: tuple, accum: int | None = None) -> argparse.Namespace:
-    layers, hidden, _, _, _, seq, micro, acc, vocab = shape
-    return argparse.Namespace(layers=layers, hidden=hidden, seq=seq, micro=micro, accum=accum or acc,
-                              vocab=vocab)
-
-
-def _flags(shape: tuple, extra: list[str]) -> list[str]:
-    _, _, ffn, heads, groups, *_ = shape
-    return ["--bf16", "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads),
-            *(["--num-query-groups", str(groups)] if groups else []), *extra]
-
-
-class CollectiveBytes:
-    """Bytes of the tensors handed to torch.distributed's collectives while active (DeepSpeed's comm
-    layer looks them up on the module at each call, so it is counted too)."""
-
-    def __init__(self) -> None:
-        self.bytes, self.calls, self._saved = 0, 0, {}
-
-    def __enter__(self) -> CollectiveBytes:
-        dist = torch.distributed
-        for name in COLLECTIVES:
-            real = getattr(dist, name, None)
-            if real is None:
-                continue
-            self._saved[name] = real
-
-            def counted(*args: Any, _real: Any = real, **kw: Any) -> Any:
-                t = kw.get("tensor", kw.get("input", args[0] if args else None))
-                if isinstance(t, torch.Tensor):
-                    self.bytes += t.numel() * t.element_size()
-                self.calls += 1
-                return _real(*args, **kw)
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, real in self._saved.items():
-            setattr(torch.distributed, name, real)
+_shape_ns, _flags = shape_ns, shape_flags
 
 
 def reduce_bytes(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
@@ -173,6 +138,7 @@ def mfu_busy(shape: tuple, o: argparse.Namespace, compiled: bool) -> dict[str, A
 
 def table(rows: list[dict[str, Any]]) -> str:
     keys = ("verdict", "mib_per_step_accum1", "mib_per_step_accum4", "mib_per_step_accum8",
+            *(f"{k}{m}" for m in (1, 4, 8) for k in ("mib_dp2_accum", "counted_over_planned_accum")),
             "weights_unchanged", "thread", "device", "rank_device", "pinned", "host_bytes",
             "host_over_planned", "mfu", "gpu_busy")
     out = []
@@ -198,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         o.steps, o.warmup, o.peak_tflops = 1, 1, o.peak_tflops or 1.0
     shape = (TINY if o.dry_run else FULL)["paper-180m"]
     cases = [("reduce bytes vs micro-batches", lambda _r: reduce_bytes(shape, o)),
+             ("DP2 reduce bytes vs planner", lambda _r: dp_reduce_bytes(shape, o)),
              ("non-finite skip", lambda _r: nonfinite_skip(shape, o)),
              ("async save thread/device", lambda _r: async_save_touch(shape, o)),
              ("MFU / busy eager", lambda _r: mfu_busy(shape, o, False)),

@@ -1,7 +1,8 @@
 """Bytes moved by collectives per optimizer step of the real trainer at DP2 (gloo, 2 CPU ranks, one
 thread each), bf16 ``--overlap-grad-reduce``, for 1, 4 and 8 micro-batches per step: before (ZeRO-2,
 which reduces every micro-batch — what bf16 + overlap resolved to until now, still ``--zero-stage 2``)
-and after (the resolved default: ZeRO-2 at one micro-batch, ZeRO-1 reducing once otherwise), beside
+and after (the resolved default: ZeRO-2 at one micro-batch, ZeRO-1 reducing once otherwise, in buckets
+all-reduced during the last micro-batch's backward by megapost.ds_adapter.overlap), beside
 the planner's data-parallel term for the same layout (megapost.plan.search.comm_parts).
 
     OMP_NUM_THREADS=1 python benchmarks/grad_reduce_bytes.py      # ~1.5 min on 2 cores

@@ -86,7 +86,8 @@ def install() -> None:
 def count_step(argv: list[str]) -> dict[str, Any]:
     """Train ``argv`` (megapost.pretrain's flags, on every rank of ``run_ranks``) and return the bytes
     counted during optimizer step ``COUNTED_STEP``, with the rank's parameter count, the engine's
-    ZeRO stage and optimizer, and the last step's loss."""
+    ZeRO stage and optimizer, the buckets of megapost's overlapped bf16 reduction (0: none) and the
+    last step's loss."""
     import torch.distributed as dist
 
     from megapost.train.build import build
@@ -113,8 +114,12 @@ def count_step(argv: list[str]) -> dict[str, Any]:
             trainer.close()
     finally:
         StepRunner.train_step = original  # type: ignore[method-assign]
+    from megapost.ds_adapter.overlap import installed
+
     engine = trainer.engine
-    return {"payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
+    overlap = installed(engine)
+    return {"overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
+            "payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
             "params": sum(p.numel() for p in engine.module.parameters()),
             "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
             "rank": dist.get_rank(), "loss": history["train_loss"][max(history["train_loss"])]}

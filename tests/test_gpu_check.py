@@ -28,7 +28,7 @@ def test_collective_counter_counts_bytes_handed_to_a_real_group(tmp_path) -> Non
     assert (c.bytes, c.calls) == (4020, 2)
 
 
-@pytest.mark.slow  # five checks at tiny shapes on CPU: ~1-3 min on 2 busy cores
+@pytest.mark.slow  # six checks at tiny shapes on CPU (the DP2 one on two gloo ranks): ~3-5 min
 def test_gpu_check_cpu_smoke_reports_every_check(tmp_path) -> None:
     out = tmp_path / "check.json"
     proc = run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], timeout=900,
@@ -37,6 +37,12 @@ def test_gpu_check_cpu_smoke_reports_every_check(tmp_path) -> None:
     assert not [c for c, r in rows.items() if "error" in r], rows
     red = rows["reduce bytes vs micro-batches"]
     assert red["mib_per_step_accum1"] >= 0 and red["verdict"] and "reduce bytes" in proc.stdout
+    dp2 = rows["DP2 reduce bytes vs planner"]  # two gloo ranks: the planner's DP term, once per step
+    for m in (1, 4, 8):
+        assert dp2[f"counted_over_planned_accum{m}"] == pytest.approx(1.0, abs=0.05), dp2
+    assert dp2["mib_dp2_accum8"] == pytest.approx(dp2["mib_dp2_accum1"], rel=0.01)
+    assert (dp2["zero_stage_accum1"], dp2["zero_stage_accum8"]) == (2, 1)
+    assert dp2["verdict"].startswith("counted = planned") and "DP2 reduce bytes" in proc.stdout
     assert rows["non-finite skip"]["weights_unchanged"] is True
     save = rows["async save thread/device"]
     assert save["main"] is False and save["pinned"] is False  # the writer thread; no CUDA: a plain buffer

@@ -22,6 +22,9 @@ LAYOUTS = {
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
     "DP2 ZeRO-1": (2, ["--zero-stage", "1"]),
     "DP2 ZeRO-2": (2, ["--zero-stage", "2", "--overlap-grad-reduce"]),
+    # bf16: megapost's bucketed reduction overlapped with the last micro-batch's backward
+    # (megapost.ds_adapter.overlap); fp32: DeepSpeed's ZeRO-1 overlap_comm
+    "DP2 ZeRO-1 overlap": (2, ["--zero-stage", "1", "--overlap-grad-reduce"]),
 }
 
 

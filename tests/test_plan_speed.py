@@ -21,15 +21,18 @@ def _find(cands, **want):
 
 
 def test_step_time_by_hand_at_dp2_bf16_zero1() -> None:
-    """DP2, micro-batch 4 (512 tokens), 2 per step, bf16 ZeRO-1: compute at MFU 0.5 x 512/768, then the
-    reduction after backward, all exposed: a fp32 all-reduce of 4P bytes sends 2 (n-1)/n 4P = 4P, the
-    bf16 weight all-gather (n-1)/n 2P = P, at 100 GB/s."""
+    """DP2, micro-batch 4 (512 tokens), 2 per step, bf16 ZeRO-1: compute at MFU 0.5 x 512/768; the fp32
+    all-reduce of 4P bytes (2 (n-1)/n 4P = 4P sent) overlaps the last micro-batch's backward (2/3 of
+    its compute, megapost.ds_adapter.overlap): what exceeds it shows, then the bf16 weight all-gather
+    (n-1)/n 2P = P, at 100 GB/s."""
     cands = candidates(CFG, 2, 16, Precision(bf16=True), memory_bytes=80 * 2**30, cluster=CLUSTER,
                        micro_batches=[4])
     c = _find(cands, zero_stage=1, checkpoint=False)
     params = CFG.num_parameters()
     compute = CFG.flops_per_token() * 16 * 128 / (2 * 100e12 * 0.5 * 512 / (512 + 256))
-    assert c.step_seconds == pytest.approx(compute + 5 * params / 100e9, rel=1e-9)
+    backward = 2 / 3 * compute / 2
+    assert c.step_seconds == pytest.approx(compute + max(0.0, 4 * params / 100e9 - backward)
+                                           + params / 100e9, rel=1e-9)
 
 
 def test_micro_batch_efficiency_and_bubble_rank_layouts() -> None:
@@ -46,17 +49,20 @@ def test_micro_batch_efficiency_and_bubble_rank_layouts() -> None:
 
 def test_zero2_per_micro_batch_reduction_costs_across_nodes_not_inside_one() -> None:
     """llama-7b, micro-batch 1, 16 per step: inside a node (DP8, NVLink) ZeRO-2's reduction of every
-    micro-batch hides behind backward; across nodes (DP64) it does not, and ZeRO-1's one reduction per
-    step wins, as the trainer resolves it."""
+    micro-batch hides behind backward, as ZeRO-1's one reduction hides behind the last one (a tie);
+    across nodes (DP64) ZeRO-2's do not, and ZeRO-1's one reduction per step wins, as the trainer
+    resolves it."""
     from megapost.plan.__main__ import model_config, parse
 
     cfg = model_config(parse(["--preset", "llama-7b", "--gpus", "8"]))
     h100 = Cluster()
-    for gpus, zero2_wins in ((8, True), (64, False)):
+    for gpus, zero2_slower in ((8, False), (64, True)):
         cands = candidates(cfg, gpus, 16 * gpus, Precision(bf16=True), memory_bytes=1e15, cluster=h100,
                            micro_batches=[1])
         z1, z2 = (_find(cands, tp=1, pp=1, zero_stage=z, checkpoint=False) for z in (1, 2))
-        assert (z2.step_seconds < z1.step_seconds) == zero2_wins, (gpus, z1.time_parts, z2.time_parts)
+        assert (z2.step_seconds > z1.step_seconds * 1.01) == zero2_slower, (gpus, z1.time_parts,
+                                                                           z2.time_parts)
+        assert z1.step_seconds <= z2.step_seconds
 
 
 def test_tied_layouts_are_said(capsys) -> None:

@@ -42,6 +42,9 @@ def test_bytes_per_step_match_the_planner_and_do_not_grow_with_micro_batches() -
     default = {r["micro_batches"]: r for r in rank0[:3]}
     assert default[1]["zero_stage"] == 2  # one micro-batch: ZeRO-2 overlaps at ZeRO-1's bytes
     assert default[4]["optimizer"] == default[8]["optimizer"] == "BF16_Optimizer"
+    for m in (4, 8):  # megapost's overlapped reduction: one all-reduce per bucket, the same bytes
+        assert default[m]["overlap_buckets"] >= 8, default[m]
+        assert default[m]["calls"]["all_reduce"] >= default[m]["overlap_buckets"], default[m]
     one = sum(default[1]["wire"].values())
     assert sum(default[8]["wire"].values()) == pytest.approx(one, rel=0.01)  # reduced once per step
     assert sum(rank0[4]["wire"].values()) > 5 * one  # explicit ZeRO-2 still reduces every micro-batch
@@ -49,10 +52,11 @@ def test_bytes_per_step_match_the_planner_and_do_not_grow_with_micro_batches() -
         assert once["loss"] == pytest.approx(every["loss"], rel=1e-3)
 
 
-@pytest.mark.parametrize("global_batch, stage, overlap", [(2, 2, True), (8, 1, False), (16, 1, False)])
+@pytest.mark.parametrize("global_batch, stage, overlap", [(2, 2, True), (8, 1, True), (16, 1, True)])
 def test_bf16_overlap_resolves_to_the_stage_with_fewer_bytes(tiny_data, global_batch, stage, overlap) -> None:
     """DP2 micro-batch 1: one micro-batch per step runs ZeRO-2 (overlapped); more run ZeRO-1, reduced
-    once, and the start-up line says so with the bytes: for a 1024 x 1024 (+ bias) layer, P = 1,049,600,
+    once, overlapped with the last micro-batch's backward, and the start-up lines say so with the
+    bytes: for a 1024 x 1024 (+ bias) layer, P = 1,049,600,
     an fp32 all-reduce sends 2 (n-1)/n 4P = 4P and the bf16 all-gather (n-1)/n 2P = P at n = 2."""
     from launch_utils import tiny_model_flags
 
@@ -68,5 +72,8 @@ def test_bf16_overlap_resolves_to_the_stage_with_fewer_bytes(tiny_data, global_b
     grads = (4 * params * (m if stage == 2 else 1)) / 2**20
     assert notes[-1].startswith(f"gradients reduced once per step (ZeRO-{stage}, {m} micro-batch")
     assert f"{grads + params / 2**20:,.1f} MiB per rank per step" in notes[-1]
-    if not overlap:
-        assert any(f"{m} micro-batches per step: ZeRO stage 1" in n for n in engine.reduce_notes)
+    if stage == 1:
+        assert any(f"{m} micro-batches per step: ZeRO stage 1" in n and "asynchronously" in n
+                   for n in engine.reduce_notes)
+        assert any(n.startswith("gradient reduction overlapped with the last micro-batch's backward")
+                   for n in notes)

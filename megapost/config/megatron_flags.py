@@ -72,7 +72,9 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.0, help="only 0")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="only 0")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
-                   help="reduce gradient buckets during backward (ZeRO-1/2 overlap_comm); default: on "
+                   help="reduce gradient buckets during backward (bf16 ZeRO-1: megapost's buckets of "
+                   "the fp32 accumulator, all-reduced during the last micro-batch's backward, as "
+                   "Megatron's DDP; ZeRO-2 and fp32 ZeRO-1: DeepSpeed's overlap_comm); default: on "
                    "when DP > 1 on GPUs")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: reduce gradients in bf16 (default fp32, as Megatron's default)")

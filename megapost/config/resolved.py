@@ -112,7 +112,8 @@ class EngineConfig:
     clip_grad: float
     bf16: bool
     zero_stage: int  # as DeepSpeed runs it: --bf16 promotes 0 to 1, an overlapped bf16 reduction of
-    # one micro-batch per step 1 to 2 (megapost.parallel.reduce_bytes.fewer_bytes_stage)
+    # one micro-batch per step 1 to 2 (megapost.parallel.reduce_bytes.fewer_bytes_stage) unless
+    # --zero-stage is given
     overlap_grad_reduce: bool  # whether the run overlaps gradient reduction with backward
     grad_reduce_in_bf16: bool
     reduce_notes: tuple[str, ...]  # the start-up notes of these choices
@@ -178,21 +179,17 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
         overlap = False
     if overlap and a.bf16 and zero == 1:
         m = a.grad_accum_steps
-        if "zero_stage" in a.explicit:
-            notes.append("--bf16 --zero-stage 1: gradients reduced once per step after backward, not "
-                         "overlapped (DeepSpeed's bf16 ZeRO-1 optimizer); --zero-stage 2 overlaps them")
-            overlap = False
-        elif fewer_bytes_stage(a.data_parallel_size, m, True, bool(a.grad_reduce_in_bf16)) == 2:
+        if "zero_stage" not in a.explicit and fewer_bytes_stage(
+                a.data_parallel_size, m, True, bool(a.grad_reduce_in_bf16)) == 2:
             zero = 2
             notes.append(f"--overlap-grad-reduce with --bf16, {m} micro-batch per step: ZeRO stage 2, "
-                         "overlapped (as many bytes as ZeRO-1's one reduction; DeepSpeed's bf16 ZeRO-1 "
-                         "optimizer cannot overlap)")
-        else:
-            notes.append(f"--overlap-grad-reduce with --bf16, {m} micro-batches per step: ZeRO stage 1, "
-                         "gradients accumulated in fp32 and reduced once per step after the last "
-                         f"micro-batch, not overlapped (ZeRO-2 overlaps but reduces every micro-batch: "
-                         f"{m}x the gradient bytes); --zero-stage 2 to choose it")
-            overlap = False
+                         "overlapped (as many bytes as ZeRO-1's one reduction, gradients partitioned)")
+        else:  # megapost.ds_adapter.overlap: Megatron DDP's overlap_grad_reduce on the bf16 optimizer
+            notes.append(f"--overlap-grad-reduce with --bf16, {m} micro-batch{'es' if m > 1 else ''} per "
+                         "step: ZeRO stage 1, gradients accumulated in fp32 over the step and reduced once, "
+                         "each bucket all-reduced asynchronously as soon as its last gradient of the last "
+                         "micro-batch is ready (overlapped with the rest of that backward), all waited for "
+                         "before the optimizer step")
     if overlap and zero == 0:
         notes.append("--overlap-grad-reduce: ZeRO stage 0 all-reduces after backward; "
                      "use --zero-stage 1 or 2")

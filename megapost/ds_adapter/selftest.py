@@ -20,10 +20,16 @@ from megapost.ds_adapter import TESTED, fragments
 from megapost.ds_adapter.steps import non_finite
 
 BF16_ATTRS = ("get_grads_for_norm", "fp32_groups_gradient_flat_partition", "fp32_groups_flat_partition",
-              "_lazy_init_hp_params_optimizer_state", "update_lp_params", "clear_hp_grads", "norm_type")
+              "_lazy_init_hp_params_optimizer_state", "update_lp_params", "clear_hp_grads", "norm_type",
+              # megapost.ds_adapter.overlap
+              "accumulate_hp_grads_and_remove_lp", "fp32_groups_gradients_flat", "fp32_groups_gradients",
+              "immediate_grad_update", "set_gradient_accumulation_boundary")
 ZERO_ATTRS = ("unscale_and_clip_grads", "check_grad_overflow", "independent_gradient_partition_epilogue",
               "compute_grad_norm")
-ENGINE_ATTRS = ("_take_model_step", "clip_fp32_gradients", "skipped_steps")
+ENGINE_ATTRS = ("_take_model_step", "clip_fp32_gradients", "skipped_steps", "allreduce_gradients",
+                "is_gradient_accumulation_boundary", "enable_backward_allreduce", "inside_no_sync_ctxt",
+                "sequence_parallel_size", "gradient_average", "postscale_gradients",
+                "gradient_predivide_factor")
 
 
 def _decision() -> str | None:

@@ -1,7 +1,8 @@
 """What megapost adds to a DeepSpeed engine (through ``megapost.ds_adapter.engine``): a callback just
 before the optimizer step, the sync-free steps that skip a non-finite gradient (counted by a
-``SkipCounter``, the lr schedule counting on the device), and no gradient "all-reduce" over a
-data-parallel group of one rank."""
+``SkipCounter``, the lr schedule counting on the device), no gradient "all-reduce" over a
+data-parallel group of one rank, and the bf16 ZeRO-1 reduction overlapped with the last micro-batch's
+backward (``megapost.ds_adapter.overlap``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from typing import Any
 
 from megapost.config.errors import ConfigError
 from megapost.ds_adapter import engine as ds_engine
+from megapost.ds_adapter import overlap as ds_overlap
 from megapost.ds_adapter import selftest
 from megapost.engine.skips import SkipCounter
 
 
-def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None) -> SkipCounter:
-    """Install the hooks; with ``dp_size`` 1, skip the engine's data-parallel gradient reduction. Returns
-    the counter of skipped steps. The adapter's self-test runs first (one line if DeepSpeed changed)."""
+def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None,
+            overlap_bucket: int | None = None) -> SkipCounter:
+    """Install the hooks; with ``dp_size`` 1, skip the engine's data-parallel gradient reduction; with
+    ``overlap_bucket`` (megapost.engine.grad_reduce.overlap_bucket), overlap the bf16 reduction in
+    buckets of at least that many elements. Returns the counter of skipped steps. The adapter's
+    self-test runs first (one line if DeepSpeed changed)."""
     problem = selftest.run(engine)
     if problem:
         raise ConfigError(problem)
@@ -28,6 +33,12 @@ def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = 
         scheduler.count_on_device(skips.last)
     if dp_size == 1:
         ds_engine.skip_single_rank_reduction(engine)
+    elif overlap_bucket is not None:
+        why = ds_overlap.unsupported(engine)
+        if why:
+            raise ConfigError(f"--overlap-grad-reduce with --bf16: the reduction cannot be overlapped here "
+                              f"({why}); pass --no-overlap-grad-reduce")
+        ds_overlap.install(engine, overlap_bucket)
     return skips
 
 

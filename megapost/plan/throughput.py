@@ -12,10 +12,11 @@ dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/s
   group's links: NVLink inside a node (``--intra-node-gbs``), the network between nodes
   (``--inter-node-gbs``); a group lies inside a node when its ranks' span does (megapost's rank order:
   TP fastest, then DP, then PP). TP's all-reduces and PP's sends are on the critical path. The
-  data-parallel reduction is hidden behind backward where DeepSpeed overlaps it (ZeRO-2, and fp32
-  ZeRO-1, ``overlap_comm``; not under a pipeline): only what exceeds the backward it overlaps
-  (every micro-batch's at ZeRO-2, the last one's at ZeRO-1) shows, plus the weight all-gather after
-  the step; the bf16 ZeRO-1 and ZeRO-0 reductions run after backward, all of it exposed.
+  data-parallel reduction is hidden behind backward where the trainer overlaps it (ZeRO-2 and fp32
+  ZeRO-1: DeepSpeed's ``overlap_comm``; bf16 ZeRO-1: megapost.ds_adapter.overlap; not under a
+  pipeline): only what exceeds the backward it overlaps (every micro-batch's at ZeRO-2, the last
+  one's at ZeRO-1) shows, plus the weight all-gather after the step; the ZeRO-0 reduction runs after
+  backward, all of it exposed.
 """
 
 from __future__ import annotations
@@ -64,8 +65,7 @@ def _bandwidth(cluster: Cluster, span: int) -> float:
 def dp_overlapped(layout: Layout, bf16: bool) -> bool:
     """Whether DeepSpeed overlaps this layout's data-parallel reduction with backward (as the trainer
     configures it on GPUs, megapost.config.resolved.grad_reduction)."""
-    return layout.pp == 1 and layout.dp > 1 and (layout.zero_stage >= 2 or (layout.zero_stage == 1
-                                                                            and not bf16))
+    return layout.pp == 1 and layout.dp > 1 and layout.zero_stage >= 1
 
 
 def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, cluster: Cluster,

@@ -24,7 +24,7 @@ from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.engine import hooks as engine_hooks
 from megapost.engine.ds_config import build_ds_config
-from megapost.engine.grad_reduce import configure_grad_reduction
+from megapost.engine.grad_reduce import configure_grad_reduction, overlap_bucket
 from megapost.engine.optimizer import build_optimizer
 from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.metrics.monitor import Monitor
@@ -150,7 +150,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
-    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
+    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
+                                                overlap_bucket(ds_config, config.engine))
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 
