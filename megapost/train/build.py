@@ -49,6 +49,7 @@ from megapost.runtime.run_dir import resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.prepare import Prepared
 from megapost.train.trainer import Trainer
+from megapost.utils import kill_points
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
-    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size)
+    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
+                                                run.max_consecutive_skipped_iterations)
+    kill_points.install(engine.module, getattr(engine.optimizer, "optimizer", engine.optimizer))  # the soak's
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 
