@@ -6,11 +6,13 @@ and engine with megapost's hooks and checkpoint safety, writers and the memory r
 from __future__ import annotations
 
 import argparse
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
+import numpy as np
 import torch
 
 from megapost.checkpoint import hf
@@ -130,7 +132,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  par.sequence_parallel)
     data = data or build_data(config.data, pstate)
-    torch.manual_seed(config.runtime.seed)
+    torch.manual_seed(config.runtime.seed)  # and python's and numpy's generators, as Megatron-LM seeds
+    random.seed(config.runtime.seed)  # them: a checkpoint's RNG state is then the same in every run
+    np.random.seed(config.runtime.seed)  # of one config (tools/soak.py compares it bit for bit)
     run = config.runtime
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                  checkpoint_num_layers=run.checkpoint_num_layers,

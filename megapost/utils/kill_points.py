@@ -13,6 +13,7 @@ fp32 weights, before DeepSpeed copies them to the module or the lr schedule step
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -39,10 +40,18 @@ def _parse(spec: str, rank: int) -> dict[str, int]:
 
 _PLAN: dict[str, int] = _parse(os.environ.get(ENV, ""), int(os.environ.get("RANK", "0")))
 _SEEN: dict[str, int] = {}
+ENOSPC_ENV = "MEGAPOST_FAULT_ENOSPC"
+_ENOSPC = os.environ.get(ENOSPC_ENV, "") == os.environ.get("RANK", "0")
 
 
 def hit(phase: str) -> None:
-    """Count a pass through ``phase``; SIGKILL this process at the planned pass (no-op when unplanned)."""
+    """Count a pass through ``phase``; SIGKILL this process at the planned pass (no-op when unplanned).
+    Fault injection for a soak that may not mount a small filesystem: ``MEGAPOST_FAULT_ENOSPC=RANK``
+    makes that rank's first async write fail as on a full disk."""
+    global _ENOSPC
+    if _ENOSPC and phase == "async_write":
+        _ENOSPC = False
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (fault injected: {ENOSPC_ENV})")
     if not _PLAN or phase not in _PLAN:
         return
     _SEEN[phase] = _SEEN.get(phase, 0) + 1
