@@ -16,7 +16,10 @@ import subprocess
 import sys
 
 import pytest
-from launch_utils import REPO, child_env
+from launch_utils import REPO, child_env, pretrain, tiny_model_flags
+
+sys.path.insert(0, str(REPO / "tools"))
+from soak_compare import scalar_events  # noqa: E402
 
 PHASES = {"forward", "backward", "optimizer_step", "sync_save", "async_write", "eval", "index_build",
           "wall-clock"}
@@ -56,3 +59,21 @@ def test_soak_kills_anywhere_and_ends_bit_exact(tmp_path) -> None:
     assert tb["lm_loss_steps"] == list(range(1, steps + 1))  # every step once, independent of the reference
     assert report["jsonl"]["equal"] and report["jsonl"]["steps"] == steps, report["jsonl"]
     assert report["bit_exact"] and proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_kill_after_a_save_loses_no_tensorboard_step(tiny_data, tmp_path) -> None:
+    """Steps 1-3 are saved at 3 but logged only at 4: a rank SIGKILLed in step 4's forward (a real kill
+    point) must still leave them in TensorBoard (the save writes and flushes them), and the resumed run
+    writes 4-6: every step of every series exactly once."""
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    flags = tiny_model_flags(tiny_data, **{"--train-iters": 6, "--log-interval": 4, "--save-interval": 3,
+                                           "--save": ckpt, "--tensorboard-dir": tb})
+    killed = pretrain(flags, check=False, MEGAPOST_KILL_POINT="forward:7:0")  # 2 micro-batches a step
+    assert killed.returncode == -9 and "in forward (pass 7)" in killed.stderr, killed.stderr[-2000:]
+    assert (ckpt / "latest").read_text() == "iter_0000003"
+    pretrain([*flags, "--load", str(ckpt)])
+    events = scalar_events(str(tb))
+    for tag in ("train/lm_loss", "train/lr", "train/grad_norm"):
+        assert {s: len(v) for s, v in events[tag].items()} == {s: 1 for s in range(1, 7)}, (tag, events[tag])
+    assert sorted(events["train/skipped_iterations"]) == [4, 6]
