@@ -137,16 +137,20 @@ def test_non_finite_decision() -> None:
 
 def test_consecutive_limit_is_exact_between_log_steps() -> None:
     """A run of 2 skips (steps 2, 3) that ended before the log step 4 still stops the run (limit 2),
-    naming the iteration the run reached the limit; read at the log step, no host read per step."""
-    case = Case("1 rank fp32 ZeRO-0 inf at 2 and 3, limit 2, log every 4",
-                ("--zero-stage", "0", "--max-consecutive-skipped-iterations", "2", "--log-interval", "4"),
-                inject=(2, 3), steps=8, watch=(), extra={"zero": 0})
-    (out,) = run_ranks(run_cases, 1, [case])[0]
-    print(out["error"])
-    assert out["error"] is not None and out["iterations"] == 4, (out["error"], out["iterations"])
-    assert out["error"].startswith("2 consecutive iterations skipped (non-finite gradient norm; "
-                                   "--max-consecutive-skipped-iterations 2) (seen at iteration 4) at "
-                                   "iteration 3;"), out["error"]
+    naming the iteration the run reached the limit; read at the log step, no host read per step. With
+    the log at 8 and a save at 4, the save is the check: it is refused (no tag is written)."""
+    flags = ("--zero-stage", "0", "--max-consecutive-skipped-iterations", "2")
+    cases = [Case("inf at 2 and 3, limit 2, log every 4", (*flags, "--log-interval", "4"), inject=(2, 3),
+                  steps=8, watch=(), extra={"zero": 0}),
+             Case("inf at 2 and 3, limit 2, log every 8, save every 4", (*flags, "--log-interval", "8"),
+                  inject=(2, 3), steps=8, watch=(), save_interval=4, extra={"zero": 0})]
+    for out in run_ranks(run_cases, 1, cases)[0]:
+        print(out["error"])
+        assert out["error"] is not None and out["iterations"] == 4, (out["error"], out["iterations"])
+        assert out["error"].startswith("2 consecutive iterations skipped (non-finite gradient norm; "
+                                       "--max-consecutive-skipped-iterations 2) (seen at iteration 4) at "
+                                       "iteration 3; no good checkpoint was saved"), out["error"]
+        assert not any("saved checkpoint" in line for line in out["stdout"].splitlines())
 
 
 def _resume_pair(root: str, limit: int, first: tuple[int, ...], second: tuple[int, ...]) -> list[Case]:
