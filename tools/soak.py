@@ -78,7 +78,7 @@ def flags(cfg: SoakConfig, data: dict[str, str], run_dir: str, save: str, async_
            "--save-interval", str(cfg.save_interval), "--save", save,
            "--runs-dir", os.path.dirname(run_dir), "--run-name", os.path.basename(run_dir),
            "--plugins", "collapse_metrics", "--collapse-image-interval", "0",
-           "--zero-stage", "1", "--distributed-timeout-minutes", "1"]
+           "--zero-stage", "1", "--distributed-timeout-minutes", "5"]
     return out + (["--async-save"] if async_save else [])
 
 
@@ -98,7 +98,7 @@ def launch(argv: list[str], log: str, env: dict[str, str], watch: Any, timeout: 
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        watched = watch(proc) if watch else None
+        watched = watch(proc, log) if watch else None
         try:
             rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
@@ -157,7 +157,7 @@ def run_attempt(cfg: SoakConfig, a: Attempt, ctx: dict[str, Any], kills_left: in
     log = os.path.join(ctx["logs"], f"attempt-{a.index:02d}-{a.kind}.log")
     if a.kind == "wall-clock":
         delay = rng.uniform(0.0, 3.0)
-        wall = lambda proc: soak_parts.wall_clock_kill(proc, log, delay, int(a.rank or 0))  # noqa: E731
+        wall = lambda proc, log: soak_parts.wall_clock_kill(proc, log, delay, int(a.rank or 0))  # noqa: E731
     elif a.kind == "enospc":
         env, wall = soak_parts.fill_disk(save, ctx["tmpfs"], cfg.save_interval)
         extra.update(env)

@@ -93,17 +93,21 @@ def fill(path: str) -> int:
 
 def fill_disk(save: str, tmpfs: bool, save_interval: int) -> tuple[dict[str, str], Any]:
     """The ENOSPC attempt's environment and watcher. On the tmpfs: the first save of the attempt pauses
-    4 s with its first file half written (``MEGAPOST_SLOW_SAVE``), the watcher then fills the
-    filesystem with a ballast file, and the background write goes on into a full disk. Without a
+    4 s with its first file half written (``MEGAPOST_SLOW_SAVE``); once rank 0 has said it is saving in
+    the background, the watcher fills the filesystem with a ballast file, and the background write goes
+    on into a full disk. Without a
     tmpfs: the writer's fault injection (``MEGAPOST_FAULT_ENOSPC``)."""
     if not tmpfs:
         return {"MEGAPOST_FAULT_ENOSPC": "1"}, None
     it = latest_iteration(save)
     tag = f"iter_{it - it % save_interval + save_interval:07d}"
 
-    def watch(proc: subprocess.Popen) -> None:
-        target = os.path.join(save, tag + ".tmp", "layout_free")
-        while proc.poll() is None and not (os.path.isdir(target) and os.listdir(target)):
+    def watch(proc: subprocess.Popen, log: str) -> None:
+        started = f"saving checkpoint (in the background) {os.path.join(save, tag)}"  # the 4 s pause begun
+        while proc.poll() is None:
+            with open(log, errors="replace") as f:
+                if started in f.read():
+                    break
             time.sleep(0.05)
         if proc.poll() is not None:
             return

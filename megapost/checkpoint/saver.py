@@ -305,8 +305,12 @@ def check_shared(directory: str, rank: int) -> None:
     token = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
     marker = os.path.join(directory, SHARED_MARKER)
     if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        atomic_write_text(marker, str(int(token[0])))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            atomic_write_text(marker, str(int(token[0])))
+        except OSError as e:  # e.g. a full disk: one line, not a traceback
+            raise ConfigError(f"--save {directory}: cannot write there ({e.strerror or e}); free space on "
+                              "it or choose another --save") from None
     dist.broadcast(token, src=0, group=cpu_group())
     try:
         with open(marker) as f:
