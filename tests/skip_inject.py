@@ -116,9 +116,11 @@ def run_case(case: Case) -> dict[str, Any]:
 
     spec = RunSpec(steps=case.steps, zero_stage=int(case.extra.get("zero", 1)), return_params=False)
     cfg = tiny_config(num_layers=2)
-    tmp = [tempfile.mkdtemp(prefix="megapost-skip-") if dist.get_rank() == 0 else None]
-    if tmp[0] is not None:
-        write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
+    root = case.extra.get("root")  # a folder kept for a later case to resume from (extra["resume"])
+    tmp = [(root or tempfile.mkdtemp(prefix="megapost-skip-")) if dist.get_rank() == 0 else None]
+    if tmp[0] is not None and not os.path.exists(os.path.join(tmp[0], "tokens.bin")):
+        data = RunSpec(steps=int(case.extra.get("data_steps", case.steps)))  # a resume reads on
+        write_token_stream(os.path.join(tmp[0], "tokens"), data, cfg)
     dist.broadcast_object_list(tmp, src=0)
     argv = layout_argv(spec, cfg, os.path.join(tmp[0], "tokens"))
     argv += ["--lr-warmup-iters", str(2 * case.steps), "--log-interval", "2", *case.flags]
@@ -126,6 +128,7 @@ def run_case(case: Case) -> dict[str, Any]:
     argv += ["--tensorboard-dir", os.path.join(tmp[0], "tb")] if case.tensorboard else []
     argv += ["--save", os.path.join(tmp[0], "ckpt"), "--save-interval", str(case.save_interval)] \
         if case.save_interval else []
+    argv += ["--load", os.path.join(tmp[0], "ckpt")] if case.extra.get("resume") else []
     prep = prepare(argv, dist.get_world_size())
     InjectNonFinite.case = case
     out, error = io.StringIO(), None
@@ -145,7 +148,7 @@ def run_case(case: Case) -> dict[str, Any]:
 
         scalars = read_scalars(os.path.join(tmp[0], "tb"), "train/skipped_iterations")
     dist.barrier()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not root:
         shutil.rmtree(tmp[0], ignore_errors=True)
     return {"states": plugin.states, "after": plugin.after, "skipped": trainer.logger.skips.read()[0],
             "mode": trainer.logger.skips.mode,

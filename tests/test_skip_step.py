@@ -133,3 +133,49 @@ def test_non_finite_decision() -> None:
     norms = torch.tensor([INF, -INF, NAN, -1.0, 0.0, 3.5, 1e30])
     assert non_finite(norms).tolist() == [True, True, True, True, False, False, False]
     assert not math.isfinite(INF)
+
+
+def test_consecutive_limit_is_exact_between_log_steps() -> None:
+    """A run of 2 skips (steps 2, 3) that ended before the log step 4 still stops the run (limit 2),
+    naming the iteration the run reached the limit; read at the log step, no host read per step. With
+    the log at 8 and a save at 4, the save is the check: it is refused (no tag is written)."""
+    flags = ("--zero-stage", "0", "--max-consecutive-skipped-iterations", "2")
+    cases = [Case("inf at 2 and 3, limit 2, log every 4", (*flags, "--log-interval", "4"), inject=(2, 3),
+                  steps=8, watch=(), extra={"zero": 0}),
+             Case("inf at 2 and 3, limit 2, log every 8, save every 4", (*flags, "--log-interval", "8"),
+                  inject=(2, 3), steps=8, watch=(), save_interval=4, extra={"zero": 0})]
+    for out in run_ranks(run_cases, 1, cases)[0]:
+        print(out["error"])
+        assert out["error"] is not None and out["iterations"] == 4, (out["error"], out["iterations"])
+        assert out["error"].startswith("2 consecutive iterations skipped (non-finite gradient norm; "
+                                       "--max-consecutive-skipped-iterations 2) (seen at iteration 4) at "
+                                       "iteration 3; no good checkpoint was saved"), out["error"]
+        assert not any("saved checkpoint" in line for line in out["stdout"].splitlines())
+
+
+def _resume_pair(root: str, limit: int, first: tuple[int, ...], second: tuple[int, ...]) -> list[Case]:
+    """Train 4 steps (save at 4) injecting at ``first``, then resume to 8 injecting at ``second``."""
+    flags = ("--zero-stage", "0", "--max-consecutive-skipped-iterations", str(limit))
+    return [Case(f"inf at {first}, saved at 4", flags, inject=first, steps=4, watch=(), save_interval=4,
+                 tensorboard=True, extra={"zero": 0, "root": root, "data_steps": 8}),
+            Case(f"resumed at 4, inf at {second}", flags, inject=second, steps=8, watch=(), save_interval=4,
+                 tensorboard=True, extra={"zero": 0, "root": root, "resume": True})]
+
+
+@pytest.mark.slow
+def test_skip_counts_continue_after_a_resume(tmp_path) -> None:
+    """The skip counts are saved with the tag: after a resume the total continues (TensorBoard's
+    per-interval series and the log line as an uninterrupted run writes them), and a run of consecutive
+    skips that spans the save stops the resumed run at the limit."""
+    count = _resume_pair(str(tmp_path / "count"), 10, (3,), (6,))
+    streak = _resume_pair(str(tmp_path / "streak"), 3, (3, 4), (5,))
+    a, b, c, d = run_ranks(run_cases, 1, count + streak)[0]
+    assert a["error"] is None and a["skipped"] == 1 and a["iterations"] == 4
+    assert b["error"] is None and b["iterations"] == 8
+    assert b["skipped"] == 2, b["skipped"]  # steps 3 and 6 (a total from zero would say 1)
+    assert b["skipped_scalar"] == {2: 0.0, 4: 1.0, 6: 1.0, 8: 0.0}, b["skipped_scalar"]
+    assert [line.split("skipped iterations ")[1][0] for line in _log_lines(b)] == ["1", "0"]  # steps 6, 8
+    assert c["error"] is None and c["skipped"] == 2 and c["iterations"] == 4
+    assert d["error"] is not None and d["error"].startswith("3 consecutive iterations skipped") and \
+        " at iteration 5;" in d["error"] and "iter_0000004" in d["error"], d["error"]
+    assert d["skipped"] == 3 and d["iterations"] == 6, (d["skipped"], d["iterations"])

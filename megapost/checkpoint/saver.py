@@ -39,6 +39,7 @@ from megapost.checkpoint.folder import TMP_SUFFIX, CheckpointFolder, tag_of
 from megapost.checkpoint.stream_write import Staging
 from megapost.config.errors import ConfigError
 from megapost.config.resolved import Config
+from megapost.utils import kill_points
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 _STAGING = Staging()
@@ -137,9 +138,17 @@ def _test_pause(tag: str, var: str = "MEGAPOST_SLOW_SAVE") -> Any:
 
 
 def _write(job: _Save, files: sharded.RankFiles) -> None:
-    """Write this rank's files (an error is kept in ``job.error`` for :func:`_agree`)."""
+    """Write this rank's files (an error is kept in ``job.error`` for :func:`_agree`); each file passes
+    the soak's kill point (``sync_save`` / ``async_write``) half written."""
+    test_pause = _test_pause(job.tag)
+
+    def pause() -> None:
+        kill_points.hit(kill_points.save_phase())
+        if test_pause is not None:
+            test_pause()
+
     try:
-        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, _test_pause(job.tag))
+        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, pause)
     except Exception as e:
         job.error = e
 
@@ -296,8 +305,12 @@ def check_shared(directory: str, rank: int) -> None:
     token = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
     marker = os.path.join(directory, SHARED_MARKER)
     if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        atomic_write_text(marker, str(int(token[0])))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            atomic_write_text(marker, str(int(token[0])))
+        except OSError as e:  # e.g. a full disk: one line, not a traceback
+            raise ConfigError(f"--save {directory}: cannot write there ({e.strerror or e}); free space on "
+                              "it or choose another --save") from None
     dist.broadcast(token, src=0, group=cpu_group())
     try:
         with open(marker) as f:

@@ -22,6 +22,7 @@ from megapost.data.gpt_indices import (
     separate_final_epoch,
 )
 from megapost.data.indexed_dataset import IndexedDataset
+from megapost.utils import kill_points
 from megapost.utils.atomic import atomic_save_npy, atomic_write_text
 from megapost.utils.checksum import file_sha256
 
@@ -162,6 +163,7 @@ class GPTDataset:
         separate = separate_final_epoch(self.tokens_per_epoch, self.seq_length, self.num_epochs,
                                         self.num_samples)
         document_index = build_document_index(self.doc_ids, self.num_epochs, rng, separate)
+        kill_points.hit("index_build")  # the soak (tools/soak.py): a rank killed inside the build
         sizes = self.indexed.sequence_lengths[document_index]
         total = samples_in(self.num_epochs * self.tokens_per_epoch, self.seq_length)
         sample_index = build_sample_index(sizes, self.seq_length, total)

@@ -6,11 +6,13 @@ and engine with megapost's hooks and checkpoint safety, writers and the memory r
 from __future__ import annotations
 
 import argparse
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
+import numpy as np
 import torch
 
 from megapost.checkpoint import hf
@@ -49,6 +51,7 @@ from megapost.runtime.run_dir import resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.prepare import Prepared
 from megapost.train.trainer import Trainer
+from megapost.utils import kill_points
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  par.sequence_parallel)
     data = data or build_data(config.data, pstate)
-    torch.manual_seed(config.runtime.seed)
+    torch.manual_seed(config.runtime.seed)  # and python's and numpy's generators, as Megatron-LM seeds
+    random.seed(config.runtime.seed)  # them: a checkpoint's RNG state is then the same in every run
+    np.random.seed(config.runtime.seed)  # of one config (tools/soak.py compares it bit for bit)
     run = config.runtime
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                  checkpoint_num_layers=run.checkpoint_num_layers,
@@ -151,7 +156,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
     trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
-                                                overlap_bucket(ds_config, config.engine))
+                                                overlap_bucket(ds_config, config.engine),
+                                                run.max_consecutive_skipped_iterations)
+    kill_points.install(engine.module, getattr(engine.optimizer, "optimizer", engine.optimizer))  # the soak's
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 

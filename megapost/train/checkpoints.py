@@ -19,6 +19,8 @@ from megapost.parallel.state import ParallelState
 from megapost.train.logger import host_norms
 from megapost.train.plugin_host import PluginHost
 
+SKIPS_KEY = "megapost.skips"  # the skip counts, beside the plugins' states in a tag
+
 
 def to_host(tree: Any) -> Any:
     """A deep copy with every tensor cloned to CPU."""
@@ -36,17 +38,25 @@ class CheckpointManager:
     checkpoint section; the layout and flags a checkpoint records)."""
 
     def __init__(self, config: Config, engine: Any, pstate: ParallelState, state: Any,
-                 host: PluginHost, monitor: Monitor, device: torch.device) -> None:
+                 host: PluginHost, monitor: Monitor, device: torch.device, logger: Any = None) -> None:
+        """``logger``: the TrainLogger whose skip counts each tag keeps (None: none kept)."""
         self.config, self.ckpt, self.engine = config, config.checkpoint, engine
         self.pstate, self.state = pstate, state
-        self.host, self.monitor, self.device = host, monitor, device
+        self.host, self.monitor, self.device, self.logger = host, monitor, device, logger
+
+    def _states(self) -> dict[str, Any]:
+        """The plugins' states and, under its own key, the skip counts."""
+        states = self.host.states()
+        if self.logger is not None:
+            states[SKIPS_KEY] = self.logger.skip_state()
+        return states
 
     def save(self) -> None:
         st = self.state
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
         pending = [t for (_, loss, norm, _), n in zip(st.losses, norms, strict=True)
                    if n is None or math.isfinite(n) for t in (loss, norm)]
-        tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self.host.states(),
+        tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self._states(),
                          self.pstate, checked=pending, device=self.device)
         done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.ckpt.save}/{tag}")
@@ -82,7 +92,7 @@ class CheckpointManager:
         saver.before_state_changes()
         if self.ckpt.async_save and self.engine.global_steps >= 1 and not getattr(self, "_reserved", False):
             self._reserved = True
-            saver.reserve_host(self.engine, self.config, self.host.states(), self.pstate)
+            saver.reserve_host(self.engine, self.config, self._states(), self.pstate)
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""
@@ -99,6 +109,9 @@ class CheckpointManager:
         run = checkpoint_io.RunLayout.of(self.config.flags)
         it, consumed, states = checkpoint_io.load(self.engine, self.ckpt, run, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
+        skips = states.pop(SKIPS_KEY, {})
+        if self.logger is not None:
+            self.logger.load_skip_state(skips, it)
         self.host.load_states(states)
         self.continue_logs(it, consumed)
         self.monitor.line(f" resumed from {self.ckpt.load} at iteration {it} ({consumed} samples)")

@@ -11,6 +11,7 @@ import torch
 from megapost.metrics.monitor import Monitor
 from megapost.train.plugin_host import PluginBatches
 from megapost.train.step import StepRunner
+from megapost.utils import kill_points
 
 
 class Evaluator:
@@ -28,7 +29,9 @@ class Evaluator:
         engine = runner.engine
         batches = PluginBatches(it, runner.pipeline, runner.device)
         total = torch.zeros((), device=runner.device)
-        for _ in range(self.eval_iters):
+        for i in range(self.eval_iters):
+            if i:
+                kill_points.hit("eval")  # the soak (tools/soak.py): a rank killed between eval batches
             if runner.pipeline:
                 # the last stage returns a 0-d loss, the others DeepSpeed's broadcast copy of shape [1]
                 loss = engine.eval_batch(data_iter=batches).detach().float().reshape(())

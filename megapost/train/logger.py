@@ -88,41 +88,82 @@ class TrainLogger:
             tokens_per_step
         self.options, self.stats, self.global_batch_size = options, stats, global_batch_size
         self.save_dir, self.dp_mean, self.max_consecutive_skips = save_dir, dp_mean, max_consecutive_skips
-        self.skips = SkipCounter(device)  # build.py installs the engine's (megapost.engine.hooks)
-        self._skipped_logged = 0
+        self.skips = SkipCounter(device, max_consecutive_skips)  # build.py installs the engine's
+        self._skipped_logged = 0  # the skip total at the last log line (saved: a resume continues it)
+        self._tb_through = 0  # the steps up to here are in TensorBoard (written at a save)
         self.memory_report: dict[str, Any] = {}
         self.start_iteration = 0
         self._peak_warned = False
 
-    def _write_steps(self, st: Any) -> tuple[list[float], list[float | None], list[float | None], int]:
-        """The interval's scalars; returns the losses, grad norms, lrs and iterations skipped in it."""
+    def _host_steps(self, st: Any) -> tuple[list[float], list[float | None], list[float | None]]:
+        """The pending steps' losses, grad norms and lrs on the host."""
         values = torch.stack([loss for _, loss, _, _ in st.losses]).tolist()  # one sync per interval
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # and one for the grad norms
         lrs = host_norms([lr for _, _, _, lr in st.losses])  # a device lr (sync-free steps): one more
-        total, consecutive = self.skips.read()
-        skipped, self._skipped_logged = total - self._skipped_logged, total
+        return values, norms, lrs
+
+    def _tb_steps(self, st: Any, values: list[float], norms: list[float | None],
+                  lrs: list[float | None]) -> None:
+        """The pending steps' per-step TensorBoard scalars (those not yet written at a save)."""
         z = {}  # one DP all-reduce and one host read per interval, on the ranks holding z terms
         if st.z_losses:
             z = dict(zip(st.z_losses, self.dp_mean(torch.stack(list(st.z_losses.values()))).tolist(),
                          strict=True))
         for (step, _, _, _), loss, norm, lr in zip(st.losses, values, norms, lrs, strict=True):
-            if step % self.options.tensorboard_log_interval == 0:
+            if step > self._tb_through and step % self.options.tensorboard_log_interval == 0:
                 self.monitor.scalars("train", self._tb_scalars(loss, lr, norm, z.get(step)), step,
                                      step * self.tokens_per_step)
+        self._tb_through = max(self._tb_through, st.iteration)
+
+    def _write_steps(self, st: Any) -> tuple[list[float], list[float | None], list[float | None], int]:
+        """The interval's scalars; returns the losses, grad norms, lrs and iterations skipped in it."""
+        values, norms, lrs = self._host_steps(st)
+        counts = self.skips.read()
+        skipped, self._skipped_logged = counts.total - self._skipped_logged, counts.total
+        self._tb_steps(st, values, norms, lrs)
         self.monitor.scalars("train", {"skipped_iterations": skipped}, st.iteration,
                              st.iteration * self.tokens_per_step)
-        self._check_finite(st, values, norms, consecutive)
+        self._check_skips(st.iteration)
+        self._check_finite(st, values, norms)
         return values, norms, lrs, skipped
 
-    def _check_finite(self, st: Any, values: list[float], norms: list[float | None],
-                      consecutive: int) -> None:
-        """Stop (one line naming the last good checkpoint) after too many consecutive skips, or at a
-        non-finite loss or grad norm that no skip absorbed."""
-        if consecutive >= self.max_consecutive_skips:
+    def before_save(self, st: Any) -> None:
+        """Before a checkpoint of ``st``: the pending steps' TensorBoard scalars are written and flushed
+        (a resume from this tag starts after them; without this, a kill before the next log line loses
+        them), and a run that reached the consecutive-skip limit is stopped before it saves."""
+        self._check_skips(st.iteration)
+        if st.losses:  # (a non-finite pending step is refused by the save itself)
+            self._tb_steps(st, *self._host_steps(st))
+        self.monitor.flush()
+
+    def skip_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the skip counts (device copies, the total at the last log line)."""
+        return {**self.skips.state_dict(), "logged": self._skipped_logged}
+
+    def load_skip_state(self, state: dict[str, Any], iteration: int) -> None:
+        """Continue the counts of a checkpoint at ``iteration`` (a tag without them: from zero)."""
+        self.skips.load_state_dict(state)
+        self._skipped_logged = int(state.get("logged", 0))
+        self._tb_through = iteration
+
+    def rewind(self, iteration: int) -> None:
+        """A rollback to ``iteration``: the steps after it are trained (and logged) again."""
+        self._tb_through = min(self._tb_through, iteration)
+
+    def _check_skips(self, iteration: int) -> None:
+        """Stop (one line naming the last good checkpoint) once a run of consecutive skips reached
+        --max-consecutive-skipped-iterations, also one that ended since the last check."""
+        counts = self.skips.read()
+        if counts.longest >= self.max_consecutive_skips:
+            seen = f" (seen at iteration {iteration})" if counts.reached_at not in (0, iteration) else ""
             raise finite_guard.non_finite_error(
-                f"{consecutive} consecutive iterations skipped (non-finite gradient norm; "
-                f"--max-consecutive-skipped-iterations {self.max_consecutive_skips})", st.iteration,
-                self.save_dir)
+                f"{self.max_consecutive_skips} consecutive iterations skipped (non-finite gradient norm; "
+                f"--max-consecutive-skipped-iterations {self.max_consecutive_skips}){seen}",
+                counts.reached_at or iteration, self.save_dir)
+
+    def _check_finite(self, st: Any, values: list[float], norms: list[float | None]) -> None:
+        """Stop (one line naming the last good checkpoint) at a non-finite loss or grad norm that no
+        skip absorbed."""
         for (step, _, _, _), value, norm in zip(st.losses, values, norms, strict=True):
             skipped = self.skips.mode != "none" and norm is not None and not math.isfinite(norm)
             if not skipped and (not math.isfinite(value) or (norm is not None and not math.isfinite(norm))):

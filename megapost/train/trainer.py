@@ -60,7 +60,8 @@ class Trainer:
         self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device, log,
                                   run.train_iters, self.tokens_per_step, ckpt.save, self.runner.dp_mean,
                                   stats, data.global_batch_size, run.max_consecutive_skipped_iterations)
-        self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device)
+        self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
+                                             self.logger)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
         self.host.bind(engine, self.snapshot, self.restore)
 
@@ -85,6 +86,7 @@ class Trainer:
         return self.evaluator.evaluate()
 
     def save(self) -> None:
+        self.logger.before_save(self.state)  # the pending steps in TensorBoard first; the skip limit
         self.checkpoints.save()
 
     def load(self) -> None:
@@ -101,6 +103,7 @@ class Trainer:
         """Return to ``snap``; ``skip_data`` keeps the data position (the window since is not retrained)."""
         self.logger.log(self.state, force=True)
         self.checkpoints.restore(snap, skip_data)
+        self.logger.rewind(self.state.iteration)
         self.runner.start_data(self.state.consumed_samples)
 
     @property
@@ -130,6 +133,7 @@ class Trainer:
             return self._skip_iteration()
         lr = self.engine.get_lr()[0]
         lr = lr.clone() if isinstance(lr, torch.Tensor) else lr  # a device lr changes in place
+        self.logger.skips.iteration = st.iteration + 1  # where a run of skips reaching the limit is
         loss = runner.train_step(st.iteration + 1)
         st.iteration += 1
         st.consumed_samples += self.config.data.global_batch_size
