@@ -7,9 +7,9 @@
 # workers. Every sweep is its own folder under $OUT with a results.csv rewritten after every run (one row
 # per run: docs/collapse_study.md "results.csv columns"); everything is resumable (a rerun reads finished
 # runs back), so stopping and re-running this script loses at most the runs in flight. PARTS picks parts
-# (default: all, in priority order): warmup depth width paper w2000 factors deep. WIDE: the widths of the
-# width part. KEEP (default study/results): where each sweep's results.csv is copied after every sweep, the
-# folder the shipped law is fitted from (tools/fit_collapse_law.py study/results), so the study's data
+# (default: all, in priority order): warmup depth width paper w2000 factors deep (tokens and seq: those two
+# factors alone). WIDE, TOKENS, SEQS: the widths, batches and seq:batch pairs of those parts. KEEP (default
+# study/results): where each sweep's results.csv is copied after every sweep, the folder the shipped law is fitted from (tools/fit_collapse_law.py study/results), so the study's data
 # travels with the repository and not only with $OUT.
 #
 #   OUT=/work/study bash examples/collapse_factor_study.sh
@@ -21,6 +21,8 @@ OUT=${OUT:-runs/factor_study}
 PARTS=${PARTS:-warmup,depth,width,paper,w2000,factors,deep}
 JOBS=${JOBS:-$(python -c "import os; print(len(os.sched_getaffinity(0)))")}
 WIDE=${WIDE:-512 768}
+TOKENS=${TOKENS:-4 32 128}       # batches of the tokens part (x seq 32 = 128, 1024, 4096 tokens/step)
+SEQS=${SEQS:-16:16 64:4 128:2 256:1}  # seq:batch of the seq part (256 tokens/step each)
 KEEP=${KEEP:-study/results}
 DATA=${DATA:-$OUT/data}  # the corpus, tokenized with 512/2048/8192-token BPEs and the default 32k tokenizer
 read -r -a EXTRA <<< "${STUDY_FLAGS:-}"  # e.g. --flush-denormal, or --engine subprocess
@@ -86,10 +88,14 @@ part_deep() {  # warmup x depth at the paper's 48 layers (width 64): the depth x
     sweep "warmup_depth/L48_w$w" --depths 48 --warmup "$w" --iters $(( w + 130 > 150 ? w + 130 : 150 ))
   done
 }
+part_tokens() { for b in $TOKENS; do sweep "tokens/b$b" --batch "$b"; done; }  # tokens per step
+part_seq() {  # sequence length at 256 tokens/step
+  for sb in $SEQS; do sweep "seq/s${sb%:*}" --seq-length "${sb%:*}" --batch "${sb#*:}"; done
+}
 part_factors() {  # one factor at a time from the base shape
-  for b in 4 32; do sweep "tokens/b$b" --batch "$b"; done                        # tokens per step 128, 1024
+  part_tokens
   for it in 300 600; do sweep "length/i$it" --iters "$it"; done                    # training length
-  for sb in 16:16 64:4 128:2; do sweep "seq/s${sb%:*}" --seq-length "${sb%:*}" --batch "${sb#*:}"; done  # 256 tokens/step
+  part_seq
   for v in 512 8192 32000; do
     # shellcheck disable=SC2046
     sweep "vocab/v$v" $(vocab "$v")
@@ -100,7 +106,7 @@ part_factors() {  # one factor at a time from the base shape
 
 mkdir -p "$OUT"
 prepare
-for part in warmup depth width paper w2000 factors deep; do
+for part in warmup depth width paper w2000 factors deep tokens seq; do
   [[ ",$PARTS," == *",$part,"* ]] && "part_$part"
 done
 echo "$(date -u +%H:%M:%S) study done ($PARTS)" >> "$OUT/STATUS.md"
