@@ -170,6 +170,14 @@ def _publish(job: _Save) -> None:
               f"{job.done_at - job.started_at:.1f} s)", flush=True)
 
 
+def _published(job: _Save) -> None:
+    """:func:`_publish` of a background save, then a barrier on the CPU group (once per save): no rank
+    reads 'latest' again (the next save's previous tag, its error line) before rank 0 has moved it."""
+    _publish(job)
+    if _distributed():
+        dist.barrier(group=cpu_group())
+
+
 def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
     job.started_at = time.perf_counter()
     try:
@@ -216,7 +224,7 @@ def poll() -> None:
         raise
     _pending = None
     job.thread.join()
-    _publish(job)
+    _published(job)
 
 
 def wait_pending(raise_errors: bool = True) -> int:
@@ -231,7 +239,7 @@ def wait_pending(raise_errors: bool = True) -> int:
     job.thread.join()
     if raise_errors:
         _agree(job, done=True)
-        _publish(job)
+        _published(job)
     return job.written
 
 
