@@ -14,7 +14,9 @@ the next save removes.
 
 Under ``--async-save`` the host snapshot is taken by the background thread while the next step's
 forward and backward run; the optimizer step, a rollback and a load wait for it first
-(:func:`before_state_changes`). The next save and the end of training wait for the write and agree
+(:func:`before_state_changes`). That thread then checks the snapshot (exactly what it writes) is
+finite: a non-finite one is not written, and every rank stops at the next step boundary in one line.
+The next save and the end of training wait for the write and agree
 (:func:`wait_pending`); an error or interrupt waits for this rank's write only (no collective).
 """
 
@@ -184,6 +186,9 @@ def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        written = [t for _, entries, _ in snapshot.files.files for _, t in entries]  # host copies
+        finite_guard.refuse_non_finite(written, (), job.iteration, job.directory, torch.device("cpu"),
+                                       everywhere=False)  # a failure reaches every rank via _agree
         _write(job, snapshot.files)
     except BaseException as e:  # surfaces in poll / wait_pending
         job.error = e
@@ -274,7 +279,8 @@ def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_stat
     if _distributed():
         cpu_group()
     files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
-    written = [t for _, entries, _ in files.files for _, t in entries]
+    written = [] if ckpt.async_save else [t for _, entries, _ in files.files for _, t in entries]
+    # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
     finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
     try:
         if job.rank == 0:
