@@ -8,7 +8,7 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
 * ``kill9``: kill -9 at random moments of an async save; resume bit-exact from what 'latest' names.
 * ``async``: training time lost per ``--async-save`` save / the synchronous save's wall time. Lost =
   the time save() blocks + how much the steps overlapping the background write exceed the median
-  step outside any write.
+  step outside any write; also in the training thread's CPU time (robust to other jobs on the machine).
 
     nice python benchmarks/checkpoint_save.py bytes
     nice python benchmarks/checkpoint_save.py rss --layers 12 --hidden 1024 --dp 4
@@ -150,42 +150,45 @@ def _child_async(out: str, flags: list[str]) -> None:
         events["waits"].append(time.perf_counter() - t0)
 
     def step(self, n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = real_step(self, n)
-        events["steps"].append((n, t0, time.perf_counter()))
+        events["steps"].append((n, t0, time.perf_counter(), time.thread_time() - c0))
         return loss
 
     def save(*args, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         tag = real_save(*args, **kw)
         t1 = time.perf_counter()
         job = saver._pending
-        events["saves"].append([t0, t1, job])
+        events["saves"].append([t0, t1, job, time.thread_time() - c0])
         return tag
 
     StepRunner.train_step, saver.save, saver.before_state_changes = step, save, wait
     pretrain.main(flags)
     saves = []
-    for t0, t1, job in events["saves"]:
+    for t0, t1, job, blocked_cpu in events["saves"]:
         end, cpu = t1, 0.0
         if job is not None:
             job.thread.join()
             end, cpu = job.done_at, job.cpu_s
-        saves.append((t0, t1, end, cpu))
+        saves.append((t0, t1, end, cpu, blocked_cpu))
     json.dump({"steps": events["steps"], "saves": saves, "snapshot_wait_s": sum(events["waits"])},
               open(os.path.join(out, "events.json"), "w"))
 
 
-def _lost(events: dict) -> tuple[list[float], list[float]]:
-    """(blocking seconds, total lost seconds) per save before the last step."""
+def _lost(events: dict, cpu: bool = False) -> tuple[list[float], list[float]]:
+    """(blocking seconds, total lost seconds) per save before the last step; ``cpu``: in the training
+    thread's CPU time instead of wall time (what other jobs on a shared machine do to the wall time of a
+    step does not show in it)."""
     steps, saves = events["steps"], events["saves"][:-1]
-    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e, _ in saves) for _, a, b in steps]
-    base = statistics.median(b - a for (_, a, b), x in zip(steps, inside, strict=True) if not x)
+    inside = [any(s0 <= a <= e or s0 <= b <= e for s0, _, e, *_ in saves) for _, a, b, _ in steps]
+    took = [c if cpu else b - a for _, a, b, c in steps]
+    base = statistics.median(t for t, x in zip(took, inside, strict=True) if not x)
     blocking, lost = [], []
-    for s0, s1, e, _ in saves:
-        over = [b - a - base for _, a, b in steps if a >= s1 and a <= e]
-        blocking.append(s1 - s0)
-        lost.append(s1 - s0 + max(0.0, sum(over)))
+    for s0, s1, e, _, blocked_cpu in saves:
+        over = [t - base for (_, a, _, _), t in zip(steps, took, strict=True) if s1 <= a <= e]
+        blocking.append(blocked_cpu if cpu else s1 - s0)
+        lost.append(blocking[-1] + max(0.0, sum(over)))
     return blocking, lost
 
 
@@ -198,10 +201,10 @@ def async_(a: argparse.Namespace) -> None:
         subprocess.run([sys.executable, __file__, "child-async", "--out", work, "--", *flags], cwd=REPO,
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
         events = json.load(open(os.path.join(work, "events.json")))
-        res[mode] = _lost(events)
+        res[mode], res[mode + " cpu"] = _lost(events), _lost(events, cpu=True)
         if mode == "async":
-            cpu = statistics.mean(c for *_, c in events["saves"][:-1])
-            wall = statistics.mean(e - s1 for _, s1, e, _ in events["saves"][:-1])
+            cpu = statistics.mean(c for *_, c, _ in events["saves"][:-1])
+            wall = statistics.mean(e - s1 for _, s1, e, *_ in events["saves"][:-1])
             waited = events["snapshot_wait_s"] / len(events["saves"])
             print(f"async background write: {wall:.2f} s wall, {cpu:.2f} s CPU of its thread per save; the "
                   f"optimizer step waited {waited:.3f} s per save for the host snapshot")
@@ -210,6 +213,11 @@ def async_(a: argparse.Namespace) -> None:
     print(f"sync save wall {sync_wall:.2f} s; async: save() blocks {blocking:.3f} s, training time lost per "
           f"save {lost:.3f} s; lost / sync wall = {lost / sync_wall:.3f} (blocking only: "
           f"{blocking / sync_wall:.3f})")
+    sync_cpu = statistics.mean(res["sync cpu"][0])
+    blocking, lost = (statistics.mean(x) for x in res["async cpu"])
+    print(f"in the training thread's CPU time: sync save {sync_cpu:.2f} s; async: save() {blocking:.3f} s, "
+          f"lost per save {lost:.3f} s; lost / sync = {lost / sync_cpu:.3f} (blocking only: "
+          f"{blocking / sync_cpu:.3f})")
 
 
 def bytes_(a: argparse.Namespace) -> None:

@@ -92,6 +92,8 @@ def poisoned_moment(argv: list[str]) -> str | None:
         run(argv)
     except FloatingPointError as e:
         return str(e)
+    except SystemExit as e:  # --async-save: the writer's refusal, raised at the next step boundary
+        return str(e.code)
     return None
 
 

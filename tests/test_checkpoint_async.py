@@ -67,6 +67,19 @@ def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path
 
 
 @pytest.mark.slow
+def test_an_async_save_checks_the_snapshot_it_writes(tiny_data, tmp_path) -> None:
+    # the finite check of --async-save runs in the writer thread on the host copy it writes (not on the
+    # training thread); a NaN moment: nothing published, one line at the next step boundary
+    ckpt = tmp_path / "ckpt"
+    argv = _argv(tiny_data, ckpt, **{"--train-iters": 4, "--async-save": True})
+    message = run_ranks(poisoned_moment, 1, argv, timeout=600)[0]
+    assert message is not None and message.startswith(
+        "error: checkpoint iter_0000002 not saved: rank 0: not saving a non-finite training state"), message
+    assert message.endswith("'latest' still names no tag") and "\n" not in message, message
+    assert not (ckpt / "latest").exists() and not (ckpt / "iter_0000002").exists()
+
+
+@pytest.mark.slow
 def test_same_layout_resume_reads_only_its_own_shard(tiny_data, tmp_path) -> None:
     # DP4 ZeRO-1: each rank's shard is a quarter of the state; the resume (same layout) reads its own
     # file (+ the small state file); assembling as for another layout reads every rank's fragments

@@ -26,12 +26,13 @@ def _finite(t: Any, device: torch.device) -> torch.Tensor:
     return torch.stack(torch.aminmax(t.reshape(-1))).isfinite().all().reshape(1)
 
 
-def all_finite(tensors: Iterable[Any], device: torch.device) -> bool:
-    """True when every value of every tensor (or number) is finite, on every rank."""
+def all_finite(tensors: Iterable[Any], device: torch.device, everywhere: bool = True) -> bool:
+    """True when every value of every tensor (or number) is finite, on every rank (``everywhere``
+    False: on this rank, no collective — e.g. in a background writer thread)."""
     flags = [_finite(t, device) for t in tensors if t is not None]
     ok = torch.cat(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
     ok = ok.to(torch.float32).reshape(1)
-    if dist.is_available() and dist.is_initialized():
+    if everywhere and dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
 
@@ -45,10 +46,11 @@ def non_finite_error(what: str, iteration: int, save_dir: str | None) -> Floatin
 
 
 def refuse_non_finite(written: Iterable[torch.Tensor], pending: Iterable[Any], iteration: int,
-                      save_dir: str | None, device: torch.device) -> None:
+                      save_dir: str | None, device: torch.device, everywhere: bool = True) -> None:
     """Before a save: raise :class:`FloatingPointError` (one line) unless every tensor to be ``written``
-    (fp32 masters, optimizer state) and every ``pending`` loss and norm is finite, everywhere."""
-    if not all_finite([*pending, *written], device):
+    (fp32 masters, optimizer state) and every ``pending`` loss and norm is finite, everywhere (or, with
+    ``everywhere`` False, on this rank: an async save's writer checks its host snapshot so)."""
+    if not all_finite([*pending, *written], device, everywhere):
         raise non_finite_error("not saving a non-finite training state (loss, grad norm, fp32 weights or "
                                "optimizer state)",
                                iteration, save_dir)

@@ -14,7 +14,9 @@ the next save removes.
 
 Under ``--async-save`` the host snapshot is taken by the background thread while the next step's
 forward and backward run; the optimizer step, a rollback and a load wait for it first
-(:func:`before_state_changes`). The next save and the end of training wait for the write and agree
+(:func:`before_state_changes`). That thread then checks the snapshot (exactly what it writes) is
+finite: a non-finite one is not written, and every rank stops at the next step boundary in one line.
+The next save and the end of training wait for the write and agree
 (:func:`wait_pending`); an error or interrupt waits for this rank's write only (no collective).
 """
 
@@ -170,12 +172,23 @@ def _publish(job: _Save) -> None:
               f"{job.done_at - job.started_at:.1f} s)", flush=True)
 
 
+def _published(job: _Save) -> None:
+    """:func:`_publish` of a background save, then a barrier on the CPU group (once per save): no rank
+    reads 'latest' again (the next save's previous tag, its error line) before rank 0 has moved it."""
+    _publish(job)
+    if _distributed():
+        dist.barrier(group=cpu_group())
+
+
 def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
     job.started_at = time.perf_counter()
     try:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        written = [t for _, entries, _ in snapshot.files.files for _, t in entries]  # host copies
+        finite_guard.refuse_non_finite(written, (), job.iteration, job.directory, torch.device("cpu"),
+                                       everywhere=False)  # a failure reaches every rank via _agree
         _write(job, snapshot.files)
     except BaseException as e:  # surfaces in poll / wait_pending
         job.error = e
@@ -216,7 +229,7 @@ def poll() -> None:
         raise
     _pending = None
     job.thread.join()
-    _publish(job)
+    _published(job)
 
 
 def wait_pending(raise_errors: bool = True) -> int:
@@ -231,7 +244,7 @@ def wait_pending(raise_errors: bool = True) -> int:
     job.thread.join()
     if raise_errors:
         _agree(job, done=True)
-        _publish(job)
+        _published(job)
     return job.written
 
 
@@ -266,7 +279,8 @@ def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_stat
     if _distributed():
         cpu_group()
     files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
-    written = [t for _, entries, _ in files.files for _, t in entries]
+    written = [] if ckpt.async_save else [t for _, entries, _ in files.files for _, t in entries]
+    # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
     finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
     try:
         if job.rank == 0:

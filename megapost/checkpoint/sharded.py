@@ -158,6 +158,8 @@ class HostPool:
         if self._flat is None or self._flat.numel() != need:
             self._flat = None  # free the old one first
             self._flat = torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if not self._flat.is_pinned():
+                self._flat.zero_()  # fault its pages in now, not during the first save's copy
         return self._flat
 
     def snapshot(self, files: RankFiles, pause: Any = None) -> Snapshot:
