@@ -4,7 +4,16 @@ tag; a node-local ``--save`` is refused; retention after a rollback (literal tag
 from __future__ import annotations
 
 import pytest
-from ckpt_faults import failing_write, poisoned_moment, resume_reads, rollback, shared_check, train
+import torch
+from ckpt_faults import (
+    failing_write,
+    full_tensors,
+    poisoned_moment,
+    resume_reads,
+    rollback,
+    shared_check,
+    train,
+)
 from dist_utils import run_ranks
 from launch_utils import tiny_model_flags
 
@@ -66,10 +75,13 @@ def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path
     assert not (ckpt / "latest").exists() and not list(ckpt.glob("iter_*"))
 
 
-@pytest.mark.slow
-def test_same_layout_resume_reads_only_its_own_shard(tiny_data, tmp_path) -> None:
+@pytest.mark.slow  # a DP4 save, two DP4 and two DP2 resumes on 2 cores: ~5 min (10 on a loaded box)
+def test_resume_reads_its_own_shard_at_the_same_layout_and_its_fragments_at_another(tiny_data,
+                                                                                     tmp_path) -> None:
     # DP4 ZeRO-1: each rank's shard is a quarter of the state; the resume (same layout) reads its own
-    # file (+ the small state file); assembling as for another layout reads every rank's fragments
+    # file (+ the small state file); assembling as for another layout reads every rank's fragments.
+    # At DP2 each rank needs half the state: it reads the byte ranges of the DP4 fragments overlapping its
+    # partition (~ its need) instead of everything (~2x), and holds the saved state bit for bit.
     ckpt = tmp_path / "ckpt"
     flags = {"--hidden-size": 256, "--ffn-hidden-size": 512, "--global-batch-size": 8, "--zero-stage": 1,
              "--save-interval": 2}
@@ -78,8 +90,22 @@ def test_same_layout_resume_reads_only_its_own_shard(tiny_data, tmp_path) -> Non
     for assembled, low, high in ((False, 0.95, 1.1), (True, 3.5, 4.5)):
         for r, got in enumerate(run_ranks(resume_reads, 4, resume, assembled, timeout=900)):
             ratio = sum(got["read"].values()) / got["own"]
-            print(f"{'assembled' if assembled else 'own shard'}: rank {r} read {sum(got['read'].values())} "
-                  f"bytes / its shard {got['own']} = {ratio:.3f} ({sorted(got['read'])})")
+            total = sum(got["read"].values())
+            print(f"DP4 {'assembled' if assembled else 'own shard'}: rank {r} read {total} bytes / its shard "
+                  f"{got['own']} = {ratio:.3f} ({sorted(got['read'])})")
             assert low <= ratio <= high, (assembled, r, got)
             if not assembled:
                 assert set(got["read"]) == {f"shard-tp00-pp00-dp{r:02d}.safetensors", "state.safetensors"}
+    saved = full_tensors(ckpt / "iter_0000002")
+    for assembled, low, high in ((False, 0.95, 1.1), (True, 1.8, 2.2)):
+        again = tmp_path / f"dp2-{assembled}"  # resumed at DP2 and saved again before it trains
+        argv = _argv(tiny_data, again, **{**flags, "--train-iters": 2, "--load": ckpt})
+        for r, got in enumerate(run_ranks(resume_reads, 2, argv, assembled, timeout=900)):
+            ratio = sum(got["read"].values()) / got["need"]
+            print(f"DP4 -> DP2 {'assembled' if assembled else 'fragment ranges'}: rank {r} read "
+                  f"{sum(got['read'].values())} bytes / its shard at DP2 {got['need']} = {ratio:.3f}")
+            assert low <= ratio <= high, (assembled, r, got)
+        resumed = full_tensors(again / "iter_0000002")
+        assert resumed.keys() == saved.keys()
+        for key, tensor in saved.items():
+            assert not tensor.isnan().any() and torch.equal(resumed[key], tensor), (assembled, key)
