@@ -75,13 +75,14 @@ def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path
     assert not (ckpt / "latest").exists() and not list(ckpt.glob("iter_*"))
 
 
-@pytest.mark.slow  # a DP4 save, two DP4 and two DP2 resumes on 2 cores: ~5 min (10 on a loaded box)
+@pytest.mark.slow  # a DP4 save, two DP4 and two DP3 resumes on 2 cores: ~5 min (10 on a loaded box)
 def test_resume_reads_its_own_shard_at_the_same_layout_and_its_fragments_at_another(tiny_data,
                                                                                      tmp_path) -> None:
     # DP4 ZeRO-1: each rank's shard is a quarter of the state; the resume (same layout) reads its own
     # file (+ the small state file); assembling as for another layout reads every rank's fragments.
-    # At DP2 each rank needs half the state: it reads the byte ranges of the DP4 fragments overlapping its
-    # partition (~ its need) instead of everything (~2x), and trains on as assembling would, bit for bit.
+    # At DP3 each rank needs a third of the state, its partition's boundaries inside DP4 fragments: it reads
+    # the byte ranges of the DP4 fragments overlapping its partition (~ its need) instead of everything
+    # (~3x), and trains on as assembling would, bit for bit.
     ckpt = tmp_path / "ckpt"
     flags = {"--hidden-size": 256, "--ffn-hidden-size": 512, "--global-batch-size": 8, "--zero-stage": 1,
              "--save-interval": 2}
@@ -97,13 +98,14 @@ def test_resume_reads_its_own_shard_at_the_same_layout_and_its_fragments_at_anot
             if not assembled:
                 assert set(got["read"]) == {f"shard-tp00-pp00-dp{r:02d}.safetensors", "state.safetensors"}
     tags = {}
-    for assembled, low, high in ((False, 0.95, 1.1), (True, 1.8, 2.2)):
-        again = tmp_path / f"dp2-{assembled}"  # resumed at DP2, one step, saved
-        argv = _argv(tiny_data, again, **{**flags, "--train-iters": 3, "--load": ckpt})
-        for r, got in enumerate(run_ranks(resume_reads, 2, argv, assembled, timeout=900)):
+    for assembled, low, high in ((False, 0.95, 1.1), (True, 2.7, 3.3)):
+        again = tmp_path / f"dp3-{assembled}"  # resumed at DP3, one step, saved
+        dp3 = {**flags, "--train-iters": 3, "--load": ckpt, "--global-batch-size": 6}
+        argv = _argv(tiny_data, again, **dp3)
+        for r, got in enumerate(run_ranks(resume_reads, 3, argv, assembled, timeout=900)):
             ratio = sum(got["read"].values()) / got["need"]
-            print(f"DP4 -> DP2 {'assembled' if assembled else 'fragment ranges'}: rank {r} read "
-                  f"{sum(got['read'].values())} bytes / its shard at DP2 {got['need']} = {ratio:.3f}")
+            print(f"DP4 -> DP3 {'assembled' if assembled else 'fragment ranges'}: rank {r} read "
+                  f"{sum(got['read'].values())} bytes / its shard at DP3 {got['need']} = {ratio:.3f}")
             assert low <= ratio <= high, (assembled, r, got)
         tags[assembled] = full_tensors(again / "iter_0000003")
     assert tags[False].keys() == tags[True].keys()
