@@ -37,16 +37,18 @@ def main() -> None:
     cfg = tiny_config(**MODEL)
     print(f"DP2 bf16 --overlap-grad-reduce, {rank0[0]['params']:,} parameters, micro-batch 1; MiB per rank "
           "per optimizer step (wire = ring bytes sent; payload = buffers)")
-    print(f"{'micro-batches':>13s} | {'before: ZeRO-2 wire (payload)':>30s} | "
+    print(f"{'micro-batches':>13s} | {'before: ZeRO-2 wire (payload)':>30s} | {'planner (before)':>16s} | "
           f"{'after: stage wire (payload)':>30s} | {'planner (after)':>15s} | after/planner")
     n = len(MICRO_BATCHES)
     for b, a in zip(rank0[:n], rank0[n:], strict=True):
         m = a["micro_batches"]
-        planned = comm_parts(cfg, Layout(1, 1, 2, a["zero_stage"], 1, m), 2 * m, bf16=True)["dp"]
+        planned, planned_before = (comm_parts(cfg, Layout(1, 1, 2, z, 1, m), 2 * m, bf16=True)["dp"]
+                                   for z in (a["zero_stage"], b["zero_stage"]))
         wb, wa = sum(b["wire"].values()), sum(a["wire"].values())
         pb, pa = sum(b["payload"].values()), sum(a["payload"].values())
-        print(f"{m:13d} | {wb / MiB:17.2f} ({pb / MiB:6.2f}) | ZeRO-{a['zero_stage']} {wa / MiB:10.2f} "
-              f"({pa / MiB:6.2f}) | {planned / MiB:15.2f} | {wa / planned:.4f}")
+        print(f"{m:13d} | {wb / MiB:21.2f} ({pb / MiB:6.2f}) | {planned_before / MiB:16.2f} | "
+              f"ZeRO-{a['zero_stage']} {wa / MiB:14.2f} ({pa / MiB:6.2f}) | {planned / MiB:15.2f} | "
+              f"{wa / planned:.4f} (before {wb / planned_before:.4f})")
     ratio = sum(rank0[n - 1]["wire"].values()) / sum(rank0[-1]["wire"].values())
     print(f"before / after at {MICRO_BATCHES[-1]} micro-batches: {ratio:.2f}x")
 

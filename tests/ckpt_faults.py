@@ -103,10 +103,16 @@ def train(argv: list[str]) -> None:
     run(argv)
 
 
+def _count(read: dict[str, int], path: str, t: Any) -> Any:
+    read[path] += t.numel() * t.element_size()
+    return t
+
+
 def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
-    """Resume with ``argv`` counting the tensor bytes this rank reads from each checkpoint file
-    (``assembled``: as if the layout differed — every rank assembles from every file). Returns
-    {"read": {file: bytes}, "own": this rank's shard file bytes}."""
+    """Resume with ``argv`` counting the tensor bytes this rank reads from each checkpoint file, whole
+    tensors and slices (``assembled``: as if no fragment reader applied — every rank assembles from every
+    file). Returns {"read": {file: bytes}, "own": the loaded tag's shard file of this rank's number,
+    "need": this rank's shard file of the tag the run saves (its partition at the resumed layout)}."""
     from collections import defaultdict
 
     import torch.distributed as dist
@@ -128,9 +134,18 @@ def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
             return None
 
         def get_tensor(self, key: str) -> Any:
-            t = self.f.get_tensor(key)
-            read[self.path] += t.numel() * t.element_size()
-            return t
+            return _count(read, self.path, self.f.get_tensor(key))
+
+        def get_slice(self, key: str) -> Any:
+            part, path = self.f.get_slice(key), self.path
+
+            class Sliced:
+                def __getitem__(self, index: Any) -> Any:
+                    return _count(read, path, part[index])
+
+                def get_shape(self) -> Any:
+                    return part.get_shape()
+            return Sliced()
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.f, name)
@@ -140,7 +155,41 @@ def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
     if assembled:
         own_shard.load = lambda *a, **k: None  # type: ignore[assignment]
     run(argv)
-    load = Path(argv[argv.index("--load") + 1])
-    tag = (load / "latest").read_text().strip()  # TP 1, PP 1: the data-parallel rank is the global rank
-    own = load / tag / "layout_free" / f"shard-tp00-pp00-dp{dist.get_rank():02d}.safetensors"
-    return {"read": dict(read), "own": own.stat().st_size}
+    name = f"shard-tp00-pp00-dp{dist.get_rank():02d}.safetensors"  # TP 1, PP 1: DP rank = global rank
+    load, save = (Path(argv[argv.index(flag) + 1]) for flag in ("--load", "--save"))
+    own = load / (load / "latest").read_text().strip() / "layout_free" / name
+    need = save / (save / "latest").read_text().strip() / "layout_free" / name
+    return {"read": dict(read), "own": own.stat().st_size, "need": need.stat().st_size}
+
+
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors a format-2 shard holds per parameter
+
+
+def full_tensors(tag: Path) -> dict[str, Any]:
+    """Every full fp32 master and Adam moment of a format-2 tag, reassembled here from the shard files'
+    own headers (local shape, fragment start/numel, TP split dim/offset), independently of megapost's
+    reader; an element no shard holds stays NaN."""
+    import json
+    import math
+
+    import torch
+    from safetensors import safe_open
+
+    locals_: dict[tuple[str, int], tuple[dict, torch.Tensor]] = {}
+    for path in sorted((tag / "layout_free").glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            head = json.loads(f.metadata()["megapost"])
+            for name, m in head["params"].items():
+                for kind in KINDS:
+                    key = (f"{kind}/{name}", m["offset"])
+                    _, flat = locals_.setdefault(key, (m, torch.full((math.prod(m["local"]),), math.nan)))
+                    flat[m["start"]:m["start"] + m["numel"]] = f.get_tensor(f"{kind}/{name}")
+    full: dict[str, torch.Tensor] = {}
+    for (key, offset), (m, flat) in locals_.items():
+        out = full.setdefault(key, torch.full(m["shape"], math.nan))
+        piece = flat.view(m["local"])
+        if m["dim"] is None:
+            out.copy_(piece)
+        else:
+            out.narrow(m["dim"], offset, piece.shape[m["dim"]]).copy_(piece)
+    return full

@@ -10,16 +10,15 @@ with one uninterrupted single-process run of all the steps (layouts agree to ~1e
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from ckpt_faults import full_tensors
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
 STEPS = 2  # per segment; the last segment continues for LAST_STEPS (the issue's 10-step criterion)
 LAST_STEPS = 10
-KINDS = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors a format-2 shard holds per parameter
 
 
 def _flags(data, **overrides) -> list[str]:
@@ -113,32 +112,6 @@ def _tag(ckpt: Path) -> Path:
     return ckpt / (ckpt / "latest").read_text().strip()
 
 
-def _full_tensors(tag: Path) -> dict[str, torch.Tensor]:
-    """Every full fp32 master and Adam moment of a format-2 tag, reassembled here from the shard files'
-    own headers (local shape, fragment start/numel, TP split dim/offset), independently of megapost's
-    reader; an element no shard holds stays NaN."""
-    from safetensors import safe_open
-
-    locals_: dict[tuple[str, int], tuple[dict, torch.Tensor]] = {}
-    for path in sorted((tag / "layout_free").glob("shard-*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            head = json.loads(f.metadata()["megapost"])
-            for name, m in head["params"].items():
-                for kind in KINDS:
-                    key = (f"{kind}/{name}", m["offset"])
-                    _, flat = locals_.setdefault(key, (m, torch.full((math.prod(m["local"]),), math.nan)))
-                    flat[m["start"]:m["start"] + m["numel"]] = f.get_tensor(f"{kind}/{name}")
-    full: dict[str, torch.Tensor] = {}
-    for (key, offset), (m, flat) in locals_.items():
-        out = full.setdefault(key, torch.full(m["shape"], math.nan))
-        piece = flat.view(m["local"])
-        if m["dim"] is None:
-            out.copy_(piece)
-        else:
-            out.narrow(m["dim"], offset, piece.shape[m["dim"]]).copy_(piece)
-    return full
-
-
 def _state_header(tag: Path) -> dict:
     from safetensors import safe_open
 
@@ -160,7 +133,7 @@ def test_reshard_bf16(tiny_data, tmp_path) -> None:
                                  "--tensor-model-parallel-size": 2})
     out = pretrain(again, nprocs=2, timeout=900)
     assert f"resumed from {tmp_path / 'ckpt'} at iteration {STEPS}" in out.stdout
-    saved, resumed = _full_tensors(_tag(tmp_path / "ckpt")), _full_tensors(_tag(tmp_path / "again"))
+    saved, resumed = full_tensors(_tag(tmp_path / "ckpt")), full_tensors(_tag(tmp_path / "again"))
     assert saved.keys() == resumed.keys() and len(saved) == 3 * len({k.split("/", 1)[1] for k in saved})
     for key, tensor in saved.items():
         assert not tensor.isnan().any(), f"{key}: elements no shard of the saved tag holds"
