@@ -9,6 +9,10 @@ Covered:
     (``{a,b,c}`` in a flag's value: one run per value, in order) and whose result lines
     (``N GPUs:  <layout>  peak X GiB  S s/step  T tokens/s  (F of C ...)``, optionally
     ``(the paper's mbK: Y GiB)``) are compared with the planner's ``--json`` recommendation;
+  * the collapse law (tools/readme_law.py): the law line ``lr* = ...``, its prose numbers (runs,
+    configurations, leave-one-out coverage, the paper-180m lr* and interval, the warmup gain) against the
+    SHIPPED fit megapost/plan/collapse_law_post.json (read, not refitted), and every quoted
+    ``collapse risk: ...`` line against the planner's line for the command above it (same tolerance);
   * ``--slow``: the main job's ``validation loss a / b / c / d at steps i / j / k / l`` (Post-Norm,
     ``bash examples/pretrain_postnorm.sh``) against its ``validation at iteration N | lm loss X`` lines,
     and its ``COLLAPSED at step N``.
@@ -27,6 +31,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from readme_law import check_law
 
 REPO = Path(__file__).resolve().parent.parent
 REL_TOL = 0.01
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     text = Path(a.readme).read_text()
     drifts, covered = check_planner(text)
     parts = [f"planner: {covered} numbers"]
+    law_drifts, law_parts = check_law(text, Path(a.readme).name)
+    drifts, parts = drifts + law_drifts, parts + law_parts
     if a.slow:
         more, n = check_main_job(text)
         drifts, parts = drifts + more, parts + [f"main job: {n} numbers"]
