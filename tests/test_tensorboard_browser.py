@@ -58,7 +58,8 @@ def test_tensorboard_opens_with_charts_drawn(views, browser, view, tmp_path) -> 
     verdict = {"view": view, "tensorboard_runs": len(runs),
                "custom_lines": {c["title"]: c["paths"] for c in custom["cards"]},
                **{page: {"charts": len(seen["cards"]), "drawn": sum(bool(c["paths"]) for c in seen["cards"]),
-                         "ticked": seen["ticked"], "max_paths": max((c["paths"] for c in seen["cards"]), default=0),
+                         "ticked": seen["ticked"],
+                         "max_paths": max((c["paths"] for c in seen["cards"]), default=0),
                          "max_matches": max((c["matches"] or 0 for c in seen["cards"]), default=0)}
                   for page, seen in (("custom_scalars", custom), ("scalars", scalars))},
                "images": len(images["images"])}
