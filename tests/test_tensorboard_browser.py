@@ -56,7 +56,7 @@ def test_tensorboard_opens_with_charts_drawn(views, browser, view, tmp_path) -> 
         scalars = browser.read(url, "scalars", shots / f"{view}_scalars.png", wait)
         images = browser.read(url, "images", shots / f"{view}_images.png", wait)
     verdict = {"view": view, "tensorboard_runs": len(runs),
-               "custom_lines": {c["title"]: c["paths"] for c in custom["cards"]},
+               "custom_lines": {c["title"]: c["matches"] for c in custom["cards"]},  # Matches (n)
                **{page: {"charts": len(seen["cards"]), "drawn": sum(bool(c["paths"]) for c in seen["cards"]),
                          "ticked": seen["ticked"],
                          "max_paths": max((c["paths"] for c in seen["cards"]), default=0),
