@@ -78,3 +78,13 @@ def test_readme_collapse_risk_line_is_what_the_planner_prints(tmp_path) -> None:
     bad = _tool(readme)
     assert bad.returncode == 1 and len(_drifts(bad.stdout)) == 1, bad.stdout
     assert _drifts(bad.stdout)[0].startswith(f"drift: README.md:3: {edited} vs {lr_star}"), bad.stdout
+
+
+def test_the_readme_quotes_every_law_number_the_checker_reads() -> None:
+    # a reworded sentence would silently drop out of the check: every prose quote must be found in README
+    from readme_law import prose_checks
+
+    law, _ = load_law(str(SHIPPED_LAW))
+    text = " ".join((REPO / "README.md").read_text().split("\n"))
+    missing = [p.pattern for p, _ in prose_checks(law) if not p.search(text)]
+    assert not missing, f"README.md no longer quotes: {missing}"

@@ -1,7 +1,8 @@
 """The collapse law's numbers a README quotes, against the code (tools/readme_numbers.py's law part).
 
 Compared with what the code computes today from the SHIPPED fit (megapost/plan/collapse_law_post.json,
-read, not refitted: a refit of study/results takes hours on 2 cores) and with what the planner prints:
+read, not refitted: whether that file is the fit of study/results is the fitting tool's own test) and
+with what the planner prints:
   * the law line ``lr* = ...`` against tools/law_report.py's ``law_lines`` (every exponent, its interval);
   * every quoted ``collapse risk: ...`` line (whole or cut with ``...``) against the planner's line for the
     nearest ``python -m megapost.plan`` command above it, at the quoted lr;
@@ -32,13 +33,14 @@ NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?")
 Drifts = tuple[list[str], int]
 
 
-def close(quoted: str, actual: float) -> bool:
-    """Within REL_TOL of ``actual`` or half a unit of the quoted number's last printed digit."""
+def close(quoted: str, actual: float, unit: float = 1.0) -> bool:
+    """``quoted`` x ``unit`` within REL_TOL of ``actual`` or half a unit of its last printed digit (the one
+    tolerance of tools/readme_numbers.py)."""
     q = quoted.replace(",", "").lstrip("+")
     mantissa, _, exp = q.lower().partition("e")
     decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
-    half_digit = 0.5 * 10 ** (int(exp or 0) - decimals)
-    return abs(float(q) - actual) <= max(REL_TOL * abs(actual), half_digit)
+    half_digit = 0.5 * 10 ** (int(exp or 0) - decimals) * unit
+    return abs(float(q) * unit - actual) <= max(REL_TOL * abs(actual), half_digit)
 
 
 def compare_text(where: str, quoted: str, actual: str) -> Drifts:

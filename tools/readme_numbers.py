@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from readme_law import check_law
+from readme_law import close as _close
 
 REPO = Path(__file__).resolve().parent.parent
-REL_TOL = 0.01
 LOSS_TOL = 0.02
 SUFFIX = {"": 1.0, "k": 1e3, "M": 1e6, "B": 1e9}
 RESULT = re.compile(
@@ -50,14 +50,6 @@ class Check:
     where: str  # README line number and the quoted text
     quoted: str
     actual: float | str
-
-
-def _close(quoted: str, actual: float, unit: float = 1.0) -> bool:
-    """Within REL_TOL or half a unit of the quoted number's last digit."""
-    value = float(quoted) * unit
-    decimals = len(quoted.split(".")[1]) if "." in quoted else 0
-    half_digit = 0.5 * 10 ** -decimals * unit
-    return abs(value - actual) <= max(REL_TOL * abs(actual), half_digit)
 
 
 def planner_blocks(text: str) -> list[tuple[int, str, list[tuple[int, str]]]]:
