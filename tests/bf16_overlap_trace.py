@@ -106,30 +106,19 @@ def _traced_step(self: Any, step: int, original: Any, out: dict[str, Any]) -> An
 def train(argv: list[str]) -> dict[str, Any]:
     """Train ``argv`` on this rank; the traced step's events (see the module docstring) and the results."""
     import torch.distributed as dist
+    from step_patch import train_with_step
 
     from megapost.engine.accessors import owned_master
     from megapost.parallel import full_state_dict
-    from megapost.train.build import build
-    from megapost.train.prepare import prepare
-    from megapost.train.step import StepRunner
 
     out: dict[str, Any] = {"events": [], "buckets": []}
-    original = StepRunner.train_step
 
-    def train_step(self: StepRunner, step: int) -> Any:
+    def train_step(self: Any, original: Any, step: int) -> Any:
         if step != TRACED:
             return original(self, step)
         return _traced_step(self, step, original, out)
 
-    StepRunner.train_step = train_step  # type: ignore[method-assign]
-    try:
-        trainer = build(prepare(argv))
-        try:
-            history = trainer.train()
-        finally:
-            trainer.close()
-    finally:
-        StepRunner.train_step = original  # type: ignore[method-assign]
+    trainer, history = train_with_step(argv, train_step)
     engine, pstate = trainer.engine, trainer.pstate
     masters = {}
     for name, p in engine.module.named_parameters():

@@ -89,14 +89,9 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     ZeRO stage and optimizer, the buckets of megapost's overlapped bf16 reduction (0: none) and the
     last step's loss."""
     import torch.distributed as dist
+    from step_patch import train_with_step
 
-    from megapost.train.build import build
-    from megapost.train.prepare import prepare
-    from megapost.train.step import StepRunner
-
-    original = StepRunner.train_step
-
-    def train_step(self: StepRunner, step: int) -> Any:
+    def train_step(self: Any, original: Any, step: int) -> Any:
         COUNTS.enabled = step == COUNTED_STEP
         try:
             return original(self, step)
@@ -105,15 +100,7 @@ def count_step(argv: list[str]) -> dict[str, Any]:
 
     for d in (COUNTS.payload, COUNTS.wire, COUNTS.calls):
         d.clear()
-    StepRunner.train_step = train_step  # type: ignore[method-assign]
-    try:
-        trainer = build(prepare(argv))
-        try:
-            history = trainer.train()
-        finally:
-            trainer.close()
-    finally:
-        StepRunner.train_step = original  # type: ignore[method-assign]
+    trainer, history = train_with_step(argv, train_step)
     from megapost.ds_adapter.overlap import installed
 
     engine = trainer.engine

@@ -150,7 +150,8 @@ def _write(job: _Save, files: sharded.RankFiles) -> None:
             test_pause()
 
     try:
-        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, pause)
+        background = job.thread is not None  # it bypasses the page cache: less contention with training
+        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, pause, direct=background)
     except Exception as e:
         job.error = e
 
@@ -186,8 +187,8 @@ def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
         snapshot.take()  # at training's priority: the next optimizer step waits for it
         with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux): idle CPU
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        written = [t for _, entries, _ in snapshot.files.files for _, t in entries]  # host copies
-        finite_guard.refuse_non_finite(written, (), job.iteration, job.directory, torch.device("cpu"),
+        host_copies = snapshot.files.tensors()  # exactly what _write writes
+        finite_guard.refuse_non_finite(host_copies, (), job.iteration, job.directory, torch.device("cpu"),
                                        everywhere=False)  # a failure reaches every rank via _agree
         _write(job, snapshot.files)
     except BaseException as e:  # surfaces in poll / wait_pending
@@ -279,7 +280,7 @@ def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_stat
     if _distributed():
         cpu_group()
     files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
-    written = [] if ckpt.async_save else [t for _, entries, _ in files.files for _, t in entries]
+    written = [] if ckpt.async_save else files.tensors()
     # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
     finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
     try:

@@ -48,8 +48,12 @@ class RankFiles:
 
     files: list[tuple[str, list[tuple[str, torch.Tensor]], dict[str, Any]]] = field(default_factory=list)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor written, in file order (what the finite check before a save scans)."""
+        return [t for _, entries, _ in self.files for _, t in entries]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, entries, _ in self.files for _, t in entries)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _fragments(engine: Any, p: torch.nn.Parameter, dp_rank: int,
@@ -130,7 +134,7 @@ def _aligned(nbytes: int) -> int:
 
 def host_bytes(files: RankFiles) -> int:
     """The flat host buffer an async save of ``files`` needs: each tensor's bytes rounded up to ALIGN."""
-    return sum(_aligned(t.numel() * t.element_size()) for _, entries, _ in files.files for _, t in entries)
+    return sum(_aligned(t.numel() * t.element_size()) for t in files.tensors())
 
 
 class HostPool:
@@ -228,10 +232,12 @@ class Snapshot:
             self._ordered = True
 
 
-def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, pause: Any = None) -> int:
-    """Write this rank's files into ``tag_dir`` (each atomically); returns bytes written."""
+def write_rank_files(tag_dir: str, files: RankFiles, staging: Staging, pause: Any = None,
+                     direct: bool = False) -> int:
+    """Write this rank's files into ``tag_dir`` (each atomically; ``direct``: bypassing the page cache
+    where the filesystem allows); returns bytes written."""
     total = 0
     for rel, entries, header in files.files:
         total += write_safetensors(os.path.join(tag_dir, rel), entries, {"megapost": json.dumps(header)},
-                                   staging, pause=pause)
+                                   staging, pause=pause, direct=direct)
     return total
