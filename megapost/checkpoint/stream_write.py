@@ -7,7 +7,8 @@ the file straight from their memory; device tensors through one fixed staging bu
 ``direct`` (the background writer of ``--async-save``) every byte goes through the staging buffer and
 reaches the file with ``O_DIRECT``, bypassing the page cache: measured on this 2-core VM, 512 MB took
 0.07 s of CPU that way against 0.2-4.3 s through the page cache (whose fresh pages are what the training
-thread then competes with); a filesystem without ``O_DIRECT`` (some tmpfs) falls back to buffered writes.
+thread then competes with); a filesystem without ``O_DIRECT`` falls back to buffered writes (tmpfs takes
+it but still copies: no gain there, docs/reliability.md).
 A full disk raises ``OSError`` naming the file.
 """
 
@@ -67,7 +68,7 @@ class _DirectFile:
 
     def __init__(self, path: str, staging: Staging) -> None:
         self.buf, self.fill, self.size = staging.buffer(), 0, 0
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
 
     def write(self, raw: torch.Tensor) -> None:
         """Append the bytes of a 1-D uint8 tensor (host or device)."""
