@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 
 import pytest
 import torch
@@ -70,3 +71,26 @@ def test_a_direct_write_failing_midway_leaves_no_file(tmp_path) -> None:
     with pytest.raises(OSError, match=str(path)):
         write_safetensors(str(path), ENTRIES, {}, Staging(BLOCK), direct=True, pause=full_disk)
     assert os.listdir(tmp_path) == []
+
+
+def _fs_type_by_stat(directory: str) -> str:
+    out = subprocess.run(["stat", "-f", "-c", "%T", directory], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_a_memory_filesystem_gets_buffered_writes(monkeypatch) -> None:
+    directory = "/dev/shm"
+    if not os.path.isdir(directory) or _fs_type_by_stat(directory) != "tmpfs":
+        pytest.skip(f"{directory} is not tmpfs here (coreutils stat)")
+    assert stream_write.filesystem_type(directory) == "tmpfs"
+    monkeypatch.delitem(stream_write._DIRECT, os.stat(directory).st_dev, raising=False)
+    flags = _opened_flags(monkeypatch)
+    assert not stream_write._direct_supported(directory)
+    assert not any(f & getattr(os, "O_DIRECT", 0) for f in flags), "tmpfs was probed with O_DIRECT"
+
+
+@pytest.mark.parametrize("where", ["tmp", "cwd", "root", "shm"])
+def test_the_memory_filesystem_verdict_agrees_with_coreutils_stat(tmp_path, where) -> None:
+    directory = {"tmp": str(tmp_path), "cwd": os.getcwd(), "root": "/", "shm": "/dev/shm"}[where]
+    by_stat = _fs_type_by_stat(directory) in {"tmpfs", "ramfs"}
+    assert (stream_write.filesystem_type(directory) in stream_write.MEMORY_FS) == by_stat
