@@ -124,3 +124,30 @@ def test_resume_reads_its_own_shard_at_the_same_layout_and_its_fragments_at_anot
     assert tags[False].keys() == tags[True].keys()
     for key, tensor in tags[True].items():  # the same state loaded both ways: the same step, bit for bit
         assert not tensor.isnan().any() and torch.equal(tags[False][key], tensor), key
+
+
+def test_the_background_writer_runs_at_idle_priority_and_training_does_not(monkeypatch, tmp_path) -> None:
+    """The writer thread is ``SCHED_IDLE`` while it writes (so a ``nice``d run does not lift it to a share
+    of a busy core); the training thread's policy and nice value are untouched."""
+    import os
+    import threading
+
+    from megapost.checkpoint import saver, sharded
+
+    seen: dict[str, int] = {}
+
+    def record(job, files) -> None:
+        seen["policy"] = os.sched_getscheduler(0)  # 0: the calling thread (Linux)
+
+    monkeypatch.setattr(saver, "_write", record)
+    before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
+    live, host = torch.ones(8), torch.empty(8)
+    files = sharded.RankFiles([("f.safetensors", [("w", host)], {})])
+    job = saver._Save(str(tmp_path), "iter_0000001", 1, 0, 1, None)
+    snapshot = sharded.Snapshot(files, [(host, live)], None)
+    thread = threading.Thread(target=saver._background, args=(job, snapshot))
+    thread.start()
+    thread.join()
+    assert job.error is None and torch.equal(host, live)  # the snapshot was taken, then written
+    assert seen == {"policy": os.SCHED_IDLE}
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
