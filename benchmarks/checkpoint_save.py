@@ -6,6 +6,9 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
   / that rank's shard bytes — ZeRO-2 at DP4 by default — and, for comparison, the growth of gathering
   the full fp32 state on every rank (what the layout-free copy did before: ``safe_get_full_*``).
 * ``kill9``: kill -9 at random moments of an async save; resume bit-exact from what 'latest' names.
+* ``beside``: what a 1-thread matmul loop (the training thread's kind of work) loses while the other
+  core runs each phase of the background writer on a state of --mib MiB (snapshot copy + finite check;
+  the staged ``O_DIRECT`` write; a buffered write) in $TMPDIR, against idle rounds interleaved with them.
 * ``async``: training time lost per ``--async-save`` save / the synchronous save's wall time. Lost =
   the time save() blocks + how much the steps overlapping the background write exceed the median
   step outside any write; also in the training thread's CPU time (robust to other jobs on the machine).
@@ -15,6 +18,7 @@ the embedded corpus in $MEGAPOST_DATA_DIR):
     nice python benchmarks/checkpoint_save.py async --layers 8 --hidden 768 --seq 128 --iters 91 --interval 30
     nice python benchmarks/checkpoint_save.py async --layers 4 --hidden 512 --seq 256 --batch 4 \
         --iters 61 --interval 20
+    nice python benchmarks/checkpoint_save.py beside --mib 540 --trials 4
     nice python benchmarks/checkpoint_save.py kill9 --iters 8 --trials 3 --layers 8 --hidden 768 --seq 128
 """
 
@@ -298,10 +302,64 @@ def kill9(a: argparse.Namespace) -> None:
               f"resumed steps {min(resumed)}..{max(resumed)} bit-exact vs uninterrupted: {exact}")
 
 
+def _loop_rate(work, seconds: float = 4.0) -> float:
+    """Iterations/s of a 1-thread 512x1365 @ 1365x512 matmul loop while this thread runs ``work``."""
+    import torch
+
+    a, b = torch.randn(512, 1365), torch.randn(1365, 512)
+    stop, count = threading.Event(), []
+
+    def loop() -> None:
+        n = 0
+        while not stop.is_set():
+            a @ b
+            n += 1
+        count.append(n)
+
+    th = threading.Thread(target=loop)
+    th.start()
+    t0 = time.perf_counter()
+    work()
+    time.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
+    stop.set()
+    th.join()
+    return count[0] / (time.perf_counter() - t0)
+
+
+def beside(a: argparse.Namespace, seconds: float = 4.0) -> None:
+    import torch
+
+    from megapost.checkpoint import stream_write
+
+    torch.set_num_threads(1)
+    src = torch.randn(a.mib << 18)
+    pool = torch.empty_like(src).zero_()
+    path = os.path.join(tempfile.mkdtemp(prefix="ckpt-beside-"), "shard.safetensors")
+
+    def write(direct: bool) -> None:
+        stream_write.write_safetensors(path, [("x", pool)], {}, stream_write.Staging(), direct=direct)
+        os.unlink(path)
+
+    phases = {"idle": lambda: None, "snapshot copy + finite check": lambda: torch.aminmax(pool.copy_(src)),
+              "staged O_DIRECT write": lambda: write(True), "buffered write": lambda: write(False)}
+    rates: dict[str, list[float]] = {k: [] for k in phases}
+    for _ in range(a.trials):
+        for name, work in phases.items():
+            rates[name].append(_loop_rate(work, seconds))
+    idle = statistics.mean(rates["idle"])
+    print(f"{a.mib} MiB, $TMPDIR {tempfile.gettempdir()}, {a.trials} rounds of {seconds:.0f} s each; seconds "
+          f"of the loop's work lost per phase (idle rounds show the noise):")
+    for name, r in rates.items():
+        lost = [seconds * (1 - x / idle) for x in r]
+        each = ", ".join(f"{x:+.2f}" for x in lost)
+        print(f"  {name:30s} mean {statistics.mean(lost):+.2f} s  each {each}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["bytes", "rss", "async", "kill9", "child-rss", "child-async"])
+    p.add_argument("what", choices=["bytes", "rss", "async", "kill9", "beside", "child-rss", "child-async"])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--mib", type=int, default=540, help="beside: the state's size")
     p.add_argument("--async-save", action="store_true", help="rss: measure an --async-save save")
     p.add_argument("--old", action="store_true", help="rss: also measure the old full gather (12 B/param)")
     p.add_argument("--max-delay", type=float, default=3.0, help="kill9: seconds after the save starts")
@@ -323,7 +381,7 @@ def main() -> None:
     elif a.what == "child-async":
         _child_async(a.out, rest)
     else:
-        {"bytes": bytes_, "rss": rss, "async": async_, "kill9": kill9}[a.what](a)
+        {"bytes": bytes_, "rss": rss, "async": async_, "kill9": kill9, "beside": beside}[a.what](a)
 
 
 if __name__ == "__main__":

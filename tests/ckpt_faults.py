@@ -20,12 +20,22 @@ def failing_write(argv: list[str], rank_to_fail: int, tag: str) -> dict[str, Any
     from megapost.pretrain import run
     from megapost.runtime import interrupts
 
-    def read_only_open(path: Any, *args: Any, **kw: Any) -> Any:
+    def refuse(path: Any) -> None:
         if dist.get_rank() == rank_to_fail and tag in str(path):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    def read_only_open(path: Any, *args: Any, **kw: Any) -> Any:
+        refuse(path)
         return builtins.open(path, *args, **kw)
 
-    stream_write.open = read_only_open  # type: ignore[attr-defined]  # the writer's open, this rank only
+    class ReadOnlyDirect(stream_write._DirectFile):  # the background writer's O_DIRECT file
+        def __init__(self, path: str, staging: Any) -> None:
+            refuse(path)
+            super().__init__(path, staging)
+
+    # the writer's two ways to open a file (buffered; O_DIRECT where the filesystem takes it), this rank only
+    stream_write.open = read_only_open  # type: ignore[attr-defined]
+    stream_write._DirectFile = ReadOnlyDirect  # type: ignore[misc]
     try:
         run(argv)
     except SystemExit as e:

@@ -77,3 +77,18 @@ def test_a_kill_after_a_save_loses_no_tensorboard_step(tiny_data, tmp_path) -> N
     for tag in ("train/lm_loss", "train/lr", "train/grad_norm"):
         assert {s: len(v) for s, v in events[tag].items()} == {s: 1 for s in range(1, 7)}, (tag, events[tag])
     assert sorted(events["train/skipped_iterations"]) == [4, 6]
+
+
+def test_the_enospc_attempt_waits_for_a_complete_tag() -> None:
+    import soak
+
+    def kinds(latest: int, order: list[str], i: int) -> list[str]:
+        attempts = [soak.Attempt(n, k, 0, False) for n, k in enumerate(order)]
+        soak._defer_enospc(attempts, i, latest)
+        assert [a.index for a in attempts] == list(range(len(order)))
+        return [a.kind for a in attempts]
+
+    order = ["forward", "enospc", "eval", "finish"]
+    assert kinds(0, order, 1) == ["forward", "eval", "enospc", "finish"]  # no tag yet: one attempt later
+    assert kinds(4, order, 1) == order  # a tag exists: 'latest' must stay on it
+    assert kinds(0, ["enospc", "finish"], 0) == ["enospc", "finish"]  # never after the final attempt

@@ -176,6 +176,15 @@ def run_attempt(cfg: SoakConfig, a: Attempt, ctx: dict[str, Any], kills_left: in
         ctx["enospc"] = soak_parts.enospc_facts(a, text, save)
 
 
+def _defer_enospc(attempts: list[Attempt], i: int, latest: int) -> None:
+    """The ENOSPC attempt waits until a complete tag exists (swapped with the next faulty attempt), so
+    it shows that 'latest' keeps naming the previous tag, not merely that there is none."""
+    if attempts[i].kind == "enospc" and not latest and i + 1 < len(attempts) and \
+            attempts[i + 1].kind != "finish":
+        attempts[i], attempts[i + 1] = attempts[i + 1], attempts[i]
+        attempts[i].index, attempts[i + 1].index = i, i + 1
+
+
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -193,6 +202,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         while i < len(attempts) or soak_parts.latest_iteration(ctx["save"]) < cfg.steps:
             if i >= len(attempts):  # an extra relaunch to finish (e.g. a kill that did not fire)
                 attempts.append(Attempt(i, "finish", None, False))
+            _defer_enospc(attempts, i, soak_parts.latest_iteration(ctx["save"]))
             done = sum(a.killed is not None for a in attempts[:i])
             run_attempt(cfg, attempts[i], ctx, max(1, planned_kills - done), rng)
             print(soak_parts.attempt_line(attempts[i]), flush=True)
