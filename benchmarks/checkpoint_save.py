@@ -329,7 +329,7 @@ def _loop_rate(work, seconds: float = 4.0) -> float:
 def beside(a: argparse.Namespace, seconds: float = 4.0) -> None:
     import torch
 
-    from megapost.checkpoint import stream_write
+    from megapost.checkpoint import finite_guard, stream_write
 
     torch.set_num_threads(1)
     src = torch.randn(a.mib << 18)
@@ -340,7 +340,8 @@ def beside(a: argparse.Namespace, seconds: float = 4.0) -> None:
         stream_write.write_safetensors(path, [("x", pool)], {}, stream_write.Staging(), direct=direct)
         os.unlink(path)
 
-    phases = {"idle": lambda: None, "snapshot copy + finite check": lambda: torch.aminmax(pool.copy_(src)),
+    phases = {"idle": lambda: None, "snapshot copy + finite check": lambda: finite_guard.all_finite(
+                  [pool.copy_(src)], torch.device("cpu"), everywhere=False),
               "staged O_DIRECT write": lambda: write(True), "buffered write": lambda: write(False)}
     rates: dict[str, list[float]] = {k: [] for k in phases}
     for _ in range(a.trials):
