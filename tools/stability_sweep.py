@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--decay-style", default="cosine", choices=("cosine", "linear", "constant"),
+                   help="--lr-decay-style of every run, recorded in results.csv (decay_style)")
     p.add_argument("--interval", type=int, default=2, help="--collapse-interval of every run")
     p.add_argument("--split", default="969,30,1")
     add_run_flags(p)
@@ -143,7 +145,7 @@ def cell_argv(args: argparse.Namespace, cell: Cell, run_dir: Path) -> list[str]:
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.batch),
         "--global-batch-size", str(args.batch),
         "--train-iters", str(args.iters), "--lr", str(cell.lr), "--min-lr", str(cell.lr / 10),
-        "--lr-warmup-iters", str(cell.warmup), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+        "--lr-warmup-iters", str(cell.warmup), "--lr-decay-style", args.decay_style, "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--init-variance", args.init_variance, "--seed", str(cell.seed),
         "--split", args.split,
         "--data-path", args.data_path, "--tokenizer-model", args.tokenizer_model,
