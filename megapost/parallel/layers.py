@@ -106,6 +106,17 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(self.map_input(x, self.group), weight, bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
+    def packable_weight(self) -> torch.Tensor | None:
+        """This rank's weight for a parent that multiplies the input (already mapped by it) with several
+        sibling projections in one GEMM (``megapost.model.fusion``): its own heads' rows, so a packed
+        Q/K/V holds this rank's q, k and v. None when this layer maps its own input, gathers its output
+        or has a bias."""
+        if self.map_input is not INPUT_MAPPINGS[None] or self.gather_output or self.bias is not None:
+            return None
+        if self.replicas > 1:
+            return share_replicated_slice(self.weight, self.group, self.replicas)
+        return self.weight
+
     def extra_repr(self) -> str:
         shared = f", shared by {self.replicas} ranks" if self.replicas > 1 else ""
         return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}{shared})"
