@@ -24,12 +24,13 @@ ALWAYS: dict[str, str] = {
     "--no-masked-softmax-fusion": "attention is torch SDPA",
     "--no-bias-gelu-fusion": "no GELU / biases",
     "--no-bias-dropout-fusion": "no dropout / biases",
-    "--no-bias-swiglu-fusion": "no biases",
-    "--no-rope-fusion": "RoPE is plain torch",
+    "--no-bias-swiglu-fusion": "no biases; the SwiGLU gate's fusion is --kernel-fusion's (docs/kernels.md)",
+    "--no-rope-fusion": "RoPE's fusion is bit-exact and on; --kernel-fusion none turns every fusion off",
     "--attention-softmax-in-fp32": "SDPA accumulates the softmax in fp32",
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated in fp32 under --bf16",
     "--no-position-embedding": "no learned position table (RoPE)",
-    "--no-gradient-accumulation-fusion": "no fused wgrad accumulation",
+    "--no-gradient-accumulation-fusion": ("bf16 gradients are added into the fp32 buffer without a cast "
+                                          "(bit-exact); --kernel-fusion none turns it off"),
     "--overlap-param-gather": ("ZeRO-1/2 gather the updated parameters once after the optimizer step, "
                                "not overlapped with the next forward"),
 }
