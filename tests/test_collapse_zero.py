@@ -17,6 +17,8 @@ from megapost.engine import hooks as engine_hooks
 from megapost.model import lm_loss
 from megapost.train.plugin_binding import bind_plugins
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 CONFIGS = [(0, False), (1, False), (2, False), (1, True), (2, True)]  # (ZeRO stage, bf16)
 
 

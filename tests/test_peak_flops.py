@@ -103,6 +103,7 @@ def test_peak_measured_on_a_busy_cpu_is_refused_and_not_cached(monkeypatch, tmp_
     assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.01 and cache_file().exists()
 
 
+@pytest.mark.integration
 def test_other_processes_busy_cores_are_seen() -> None:
     """A spinning child process keeps about one core busy while this one sleeps (/proc/stat)."""
     from megapost.utils.machine import others_busy

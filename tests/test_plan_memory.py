@@ -14,6 +14,8 @@ import json
 import pytest
 from plan_measure import measure
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 TOLERANCE = 0.15
 
 CHEAP = [
