@@ -108,7 +108,7 @@ def train(argv: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
     from step_patch import train_with_step
 
-    from megapost.engine.accessors import owned_master
+    from megapost.optim.accessors import owned_master
     from megapost.parallel import full_state_dict
 
     out: dict[str, Any] = {"events": [], "buckets": []}

@@ -140,7 +140,7 @@ def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
 def test_rewarm_scale_and_schedule():
     import torch
 
-    from megapost.engine.schedule import WarmupDecaySchedule, rewarm_scale
+    from megapost.optim.schedule import WarmupDecaySchedule, rewarm_scale
 
     assert rewarm_scale(9, (10, 4, 0.2)) == 1.0 and rewarm_scale(10, (10, 4, 0.2)) == pytest.approx(0.2)
     assert rewarm_scale(12, (10, 4, 0.2)) == pytest.approx(0.2 + 0.8 * 2 / 4)

@@ -9,7 +9,7 @@ import pytest
 from launch_utils import pretrain, read_scalars
 
 from megapost.config.arguments import parse_args
-from megapost.engine.schedule import lr_at
+from megapost.optim.schedule import lr_at
 
 
 def megatron_llama_flags(data, tb) -> list[str]:

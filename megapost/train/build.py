@@ -24,15 +24,15 @@ from megapost.config.megatron_habits import init_summary
 from megapost.config.resolved import Config, DataConfig, OptimizerConfig, resolve
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
-from megapost.engine import hooks as engine_hooks
-from megapost.engine.ds_config import build_ds_config
-from megapost.engine.grad_reduce import configure_grad_reduction, overlap_bucket
-from megapost.engine.optimizer import build_optimizer
-from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
+from megapost.optim import hooks as optim_hooks
+from megapost.optim.ds_config import build_ds_config
+from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
+from megapost.optim.optimizer import build_optimizer
+from megapost.optim.schedule import WarmupDecaySchedule
 from megapost.parallel import (
     build_model,
     deepspeed_config_errors,
@@ -155,7 +155,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
-    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
+    trainer.logger.skips = optim_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
                                                 overlap_bucket(ds_config, config.engine),
                                                 run.max_consecutive_skipped_iterations)
     kill_points.install(engine.module, getattr(engine.optimizer, "optimizer", engine.optimizer))  # the soak's

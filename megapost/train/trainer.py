@@ -77,7 +77,7 @@ class Trainer:
         return self.runner.train_step(step)
 
     def before_optimizer_step(self) -> None:
-        """The engine hook (megapost.engine.hooks): gradients reduced, not yet applied."""
+        """The engine hook (megapost.optim.hooks): gradients reduced, not yet applied."""
         self.checkpoints.before_state_changes()  # an async save's snapshot is taken before the step
         self.logger.before_optimizer_step(self.state.iteration + 1)  # --log-num-zeros-in-grad
         self.host.before_optimizer_step(self.state.iteration + 1)

@@ -1,5 +1,5 @@
 """Megatron-LM's ``--log-params-norm`` and ``--log-num-zeros-in-grad`` over a DeepSpeed engine: each
-rank adds up the part of the fp32 masters / reduced gradients it owns (megapost.engine.accessors), one
+rank adds up the part of the fp32 masters / reduced gradients it owns (megapost.optim.accessors), one
 sum over all ranks gives the whole model's value. The local parts stay device tensors (no host sync);
 the caller sums and reads them on logging steps only."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapost.engine.accessors import owned_grad, owned_master
+from megapost.optim.accessors import owned_grad, owned_master
 
 
 def _params(engine: Any) -> list[torch.nn.Parameter]:

@@ -71,7 +71,7 @@ def optimizer_hyperparameters(engine: Any) -> dict[str, Any]:
 
 
 def scale_lr(engine: Any, lr: float, warmup: float, rewarm: tuple[int, int, float] | None = None) -> None:
-    """Scale the engine's lr schedule (megapost.engine.schedule.WarmupDecaySchedule): peak and minimum
+    """Scale the engine's lr schedule (megapost.optim.schedule.WarmupDecaySchedule): peak and minimum
     lr by ``lr``, warmup length by ``warmup``, relative to the configured values; ``rewarm`` adds a
     second warmup (``schedule.rewarm_scale``)."""
     scheduler = getattr(engine, "lr_scheduler", None)
