@@ -216,6 +216,7 @@ def test_gqa_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
     check_layout_matches_single_process(spec, dp)
 
 
+@pytest.mark.integration
 def test_trainer_runs_gqa_and_prints_the_split(tiny_data) -> None:
     from launch_utils import pretrain, tiny_model_flags
 

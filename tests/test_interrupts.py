@@ -79,6 +79,7 @@ def test_sigterm_with_exit_signal_handler_saves_at_a_step_and_exits_0(tiny_data,
     assert f"at iteration {step}" in resumed.stdout and f"iteration {step + 1:6d}/" in resumed.stdout
 
 
+@pytest.mark.integration
 def test_ctrl_c_ends_in_one_line(tiny_data, tmp_path) -> None:
     """SIGINT to the whole foreground group (a terminal's Ctrl-C): one megapost line, from one rank."""
     run = Launch(_flags(tiny_data, tmp_path, **{"--save-interval": 2}))
@@ -94,6 +95,7 @@ def test_ctrl_c_ends_in_one_line(tiny_data, tmp_path) -> None:
     assert all(f.endswith(("deepspeed/launcher/runner.py", "subprocess.py", "bin/deepspeed")) for f in frames)
 
 
+@pytest.mark.integration
 def test_ranks_die_with_the_runner(tiny_data, tmp_path) -> None:
     """SIGINT to the `deepspeed` runner alone used to leave launch.py and the ranks training."""
     run = Launch(_flags(tiny_data, tmp_path))

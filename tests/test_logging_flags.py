@@ -94,6 +94,7 @@ def test_params_norm_and_zeros_match_an_independent_count(tiny_data, tmp_path, c
         assert read_scalars(tb, "train/world_size") == {2: 1.0, 4: 1.0}
 
 
+@pytest.mark.integration
 def test_logging_flags_add_no_host_sync_on_quiet_steps(tiny_data) -> None:
     from host_sync_audit import ITERATIONS, count_syncs
 

@@ -123,6 +123,7 @@ def test_measurement_is_the_best_of_several_runs() -> None:
     assert 0 < tflops < 100
 
 
+@pytest.mark.integration
 def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
     """A peak below what the run achieves (a CPU peak measured on a busy machine) is named, once."""
     from launch_utils import pretrain, tiny_model_flags

@@ -185,6 +185,7 @@ def test_cli_exit_codes_and_messages(tiny_data, tmp_path: Path, capsys: pytest.C
     assert "error: input not found" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_prepare_default_data(tmp_path: Path) -> None:
     start = time.perf_counter()
     prefix, tokenizer_path = prepare_default_data(tmp_path, progress=False, log=None)

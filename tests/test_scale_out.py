@@ -187,6 +187,7 @@ def _failing_flags(data, **overrides) -> list[str]:
                            "--tensor-model-parallel-size": 2, **overrides})
 
 
+@pytest.mark.integration
 def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
     """MEGAPOST_FAIL_RANK=1:3 (training.py): rank 1 raises before iteration 3; rank 0, blocked in a
     tensor-parallel collective with it, must not outlive it for long."""
@@ -201,6 +202,7 @@ def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
     assert ended - failed < 45, f"job took {ended - failed:.1f} s to end after the failure"
 
 
+@pytest.mark.integration
 def test_killed_rank_ends_the_job(tiny_data, tmp_path) -> None:
     """SIGKILL rank 0 (it also hosts the rendezvous store) after iteration 2."""
     job = Job(_deepspeed(2, ["--module", "megapost.pretrain", *_failing_flags(tiny_data)]), tmp_path / "log")
