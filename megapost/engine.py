@@ -47,8 +47,12 @@ class Engine(Protocol):
         lr schedule advanced; or, when the gradient norm is not finite, nothing changed. A 0-d device
         tensor, nonzero when the step was skipped."""
 
-    def lr(self) -> float:
-        """The learning rate of the next step (a host read)."""
+    def lr(self) -> float | torch.Tensor:
+        """The learning rate of the next step as the schedule keeps it (a device tensor when the schedule
+        counts on the device: no host read; it changes in place)."""
+
+    def grad_norm(self) -> float | torch.Tensor | None:
+        """The last step's global gradient norm as the engine keeps it (a device tensor on some paths)."""
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The part of ``param``'s reduced gradient this rank owns (one sum over all ranks of each part's

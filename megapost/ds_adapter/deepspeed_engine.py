@@ -67,8 +67,11 @@ class DeepSpeedEngine:
         skipped = int(getattr(self.ds, "skipped_steps", 0)) > self._skipped_before
         return torch.tensor(float(skipped))
 
-    def lr(self) -> float:
-        return float(self.ds.get_lr()[0])
+    def lr(self) -> float | torch.Tensor:
+        return self.ds.get_lr()[0]
+
+    def grad_norm(self) -> float | torch.Tensor | None:
+        return self.ds.get_global_grad_norm()
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         return fragments.owned_grad(param, self.tp_rank, self.dp_rank)
