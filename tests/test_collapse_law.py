@@ -1,4 +1,4 @@
-"""The collapse law's fitter (megapost/plan/collapse_fit.py) on outcomes drawn from a known law, its
+"""The collapse law's fitter (megapost/study/boundary_fit.py) on outcomes drawn from a known law, its
 schema (collapse_law.py) and tools/fit_collapse_law.py end to end."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from scipy.stats import chi2, norm
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import _erfc, chi2_sf, fit_law, make_probe, separable
-from megapost.plan.collapse_law import Form, Law, load_law, save_law
+from megapost.study.boundary_fit import _erfc, chi2_sf, fit_law, make_probe, separable
+from megapost.study.boundary_law import Form, Law, load_law, save_law
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"width": 64, "depth": 4, "warmup": 20, "tokens_per_step": 256, "decay_iters": 130, "seq": 32,

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-hi", type=float, default=1e-1)
     p.add_argument("--lr-from-law", metavar="FIT", default=None,
                    help="start each point's bracket at FIT's lr*(d, L) x [1/F, F] (a boundary.json, e.g. "
-                   "megapost/plan/collapse_boundary_post.json) instead of [--lr-lo, --lr-hi]")
+                   "study/results/grid_w20/boundary.json) instead of [--lr-lo, --lr-hi]")
     p.add_argument("--law-factor", type=float, default=2.0, metavar="F", help="see --lr-from-law")
     p.add_argument("--adaptive-seeds", action=argparse.BooleanOptionalAction, default=True,
                    help="stop a probe's seeds once its majority vote cannot change (seeds in order)")

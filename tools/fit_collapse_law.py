@@ -1,6 +1,6 @@
 """Fit the collapse law P(collapse | lr, x) over every probe's seed outcomes and write it for the planner.
 
-    python tools/fit_collapse_law.py megapost/plan/collapse_boundary_post.json /work/study/*/ \\
+    python tools/fit_collapse_law.py study/results/grid_w20/boundary.json /work/study/*/ \\
         --out runs/collapse_law/law.json
 
 Inputs: ``results.csv`` files (or folders searched for them; one row per run, the columns of
@@ -8,9 +8,9 @@ Inputs: ``results.csv`` files (or folders searched for them; one row per run, th
 ``--defaults``) and tools/collapse_boundary.py JSONs (each probe's k/n at the file's settings). A run
 counts as collapsed by its ``collapsed`` column when there is one, else when it ended ``collapsed`` with
 a final first/last-layer gradient ratio <= --collapse-grad-ratio (the boundary's criterion). Only plain
-Post-Norm runs (variant ``post``) are fitted. The fit (``megapost.plan.collapse_fit``: probit MLE, forms
+Post-Norm runs (variant ``post``) are fitted. The fit (``megapost.study.boundary_fit``: probit MLE, forms
 by AIC, configuration bootstrap, residual scatter) is written atomically in the one schema of
-``megapost.plan.collapse_law``; printed: the forms compared, the factor table, the law, the leave-one-out
+``megapost.study.boundary_law``; printed: the forms compared, the factor table, the law, the leave-one-out
 validation (``--loo``) and the paper-180m test (never data: the paper's runs are GPU runs at 180M).
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 from law_report import aside_lines, factor_table, law_lines, loo_table, paper_test
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import Probe, fit_law, make_probe, separable
-from megapost.plan.collapse_law import DEFAULT_LAW, FACTORS, INIT_CODE, save_law
+from megapost.study.boundary_fit import Probe, fit_law, make_probe, separable
+from megapost.study.boundary_law import DEFAULT_LAW, FACTORS, INIT_CODE, save_law
 
 ALIASES = {"width": ("width", "hidden", "hidden_size"), "depth": ("depth", "layers", "num_layers"),
            "warmup": ("warmup", "lr_warmup_iters"), "iters": ("iters", "train_iters"),

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from megapost.config.presets import PRESETS
-from megapost.plan.collapse_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
-from megapost.plan.collapse_law import FACTORS, INIT_CODE, Z95, Form, Law, exponents
 from megapost.plan.collapse_risk import UNINFORMATIVE
+from megapost.study.boundary_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
+from megapost.study.boundary_law import FACTORS, INIT_CODE, Z95, Form, Law, exponents
 
 PAPER_BRACKET = (6e-4, 8e-4)  # QUANTITIES.md: 6e-4 stable for 40,000 steps, 8e-4 collapsed (~step 2644)
 PAPER_VOCAB = 32000  # the Llama-2 tokenizer

@@ -1,6 +1,6 @@
 """The collapse law's numbers a README quotes, against the code (tools/readme_numbers.py's law part).
 
-Compared with what the code computes today from the SHIPPED fit (megapost/plan/collapse_law_post.json,
+Compared with what the code computes today from the SHIPPED fit (megapost/study/boundary_law_post.json,
 read, not refitted: whether that file is the fit of study/results is the fitting tool's own test) and
 with what the planner prints:
   * the law line ``lr* = ...`` against tools/law_report.py's ``law_lines`` (every exponent, its interval);
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from law_report import law_lines, paper_factors, paper_test
 
-from megapost.plan.collapse_law import ENV, SHIPPED_LAW, Law, load_law
+from megapost.study.boundary_law import ENV, SHIPPED_LAW, Law, load_law
 
 REPO = Path(__file__).resolve().parent.parent
 REL_TOL = 0.01

@@ -17,12 +17,12 @@ from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import resolve_norm_position
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
-from megapost.plan.collapse_law import load_law, run_factors
-from megapost.plan.collapse_risk import collapse_risk
+from megapost.plan.collapse_risk import collapse_risk, delayed_collapse_risk
 from megapost.plan.counts import parameter_counts
 from megapost.plan.memory import async_save_host_bytes
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
 from megapost.plan.throughput import Cluster
+from megapost.study.boundary_law import load_law, run_factors
 
 GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
@@ -165,6 +165,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                                         * min(args.gpus, args.gpus_per_node) / GiB if best else None),
         "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
                                        run_factors(args, cfg), args.lr),
+        "delayed_collapse": delayed_collapse_risk(args, cfg),
     }
 
 
@@ -207,6 +208,7 @@ def render(result: dict, top: int) -> str:
         lines.append(f"--async-save holds {result['async_save_host_gb_per_node']:.1f} GiB of host memory per "
                      "node (pinned; fp32 master + Adam moments of each rank's shard, one buffer per rank)")
     lines.append(result["collapse_risk"]["line"])
+    lines.append(result["delayed_collapse"]["line"])
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """The collapse law: ONE schema of a fitted Post-Norm collapse boundary, written by
-``tools/fit_collapse_law.py`` (fitting: ``megapost.plan.collapse_fit``) and read by the planner's
+``tools/fit_collapse_law.py`` (fitting: ``megapost.study.boundary_fit``) and read by the planner's
 collapse-risk line and the guard's ``law`` remedy (through ``megapost.plugin_api``).
 
 The law. For a run with factors x (width, depth, warmup, tokens per step, decay_iters = the train iters
@@ -53,8 +53,8 @@ ALT_DELTA_AIC = 2.0
 Z95 = 1.959963984540054
 
 DEFAULT_LAW = Path("runs") / "collapse_law" / "law.json"
-SHIPPED_LAW = Path(__file__).with_name("collapse_law_post.json")  # tools/fit_collapse_law.py's CPU fit
-SHIPPED_LABEL = "megapost/plan/collapse_law_post.json, shipped: CPU study"
+SHIPPED_LAW = Path(__file__).with_name("boundary_law_post.json")  # tools/fit_collapse_law.py's CPU fit
+SHIPPED_LABEL = "megapost/study/boundary_law_post.json, shipped: CPU study, failure-to-start law"
 ENV = "MEGAPOST_COLLAPSE_LAW"
 
 
