@@ -38,7 +38,7 @@ from collapse_metrics.analysis.probability_report import probability_figure, wri
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.plugin import CollapseMetricsPlugin
 from sweep_engine import add_run_flags, make_pool
-from sweep_results import check_same_setting, collapsed, settings, write_csv
+from sweep_results import check_extra, check_same_setting, collapsed, settings, write_csv
 
 from megapost.config.arguments import build_parser as trainer_parser
 from megapost.config.errors import ConfigError
@@ -338,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.extra = extra
+    check_extra(extra)
     out = Path(args.out)
     vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
     cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"

@@ -9,7 +9,9 @@ With L the corpus frequency loss and the loss a trailing mean over ``window`` me
 * **delayed collapse** (the paper's event): the run learned, then from step s on it is pinned --
   t_sim(X^H) >= 0.9, loss >= L - 0.15 and the first/last-layer gradient ratio <= 1e-2 -- at >= 90 % of
   the measured steps of [s, s + K], K = ``sustain`` steps (100: the paper's loss stays at L for the rest
-  of the run; 100 steps is 20 measurements at the study's interval 5). The event step is s.
+  of the run; 100 steps is 20 measurements at the study's interval 5). The event step is s, moved back over
+  the measured steps just before it where t_sim and the gradient ratio already held (the trailing loss
+  lags them by up to ``window`` measurements).
 * **survived**: learned and not collapsed. The run was at risk until its last step minus K (a
   collapse starting later could not be confirmed): it is right-censored there.
 
@@ -94,8 +96,15 @@ def from_series(steps: Sequence[int], loss: Sequence[float | None], tsim: Sequen
         if int(steps[i]) + crit.sustain > last:
             break
         if pinned[i] and _sustained(steps, pinned, i, crit):
-            return Event(DELAYED, int(steps[i]), int(steps[learned]), int(steps[i]))
+            onset = i  # back to where t_sim and the gradient ratio crossed (the trailing loss lags them)
+            while onset - 1 > learned and _state(tsim[onset - 1], ratio[onset - 1], crit):
+                onset -= 1
+            return Event(DELAYED, int(steps[onset]), int(steps[learned]), int(steps[onset]))
     return Event(SURVIVED, None, int(steps[learned]), last - crit.sustain)
+
+
+def _state(tsim: float | None, ratio: float | None, crit: Criterion) -> bool:
+    return tsim is not None and tsim >= crit.tsim and ratio is not None and ratio <= crit.grad_ratio
 
 
 def _sustained(steps: Sequence[int], flags: Sequence[bool], i: int, crit: Criterion) -> bool:
