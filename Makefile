@@ -1,6 +1,7 @@
 # The two quick-start commands; each one installs (quick and harmless when already installed) and runs.
 #   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
 #   make test               ruff check . && lint-imports && python -m pytest -q   (what .ci/run runs)
+#   make law                refit the delayed-collapse law from study/results (megapost-law fit; torch-free)
 # Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
 #   ARGS="--train-iters 1000" (flags for the example); LAUNCHER="--master_port 29600" (flags for the
 #   deepspeed launcher, e.g. another port or --num_gpus 2); PYTEST_ARGS="-m slow".
@@ -12,7 +13,7 @@ PYTEST_ARGS ?=
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megapost/torch_extensions
 
-.PHONY: install train test
+.PHONY: install train test law
 
 install:
 ifneq ($(strip $(TORCH)),)
@@ -28,3 +29,6 @@ test: install
 	ruff check .
 	lint-imports --no-cache  # the import layering of pyproject.toml [tool.importlinter]
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+law:  # the shipped study data -> megapost/study/hazard_law_post.json (docs/study_results.md); numpy only
+	$(PYTHON) -m megapost.study fit

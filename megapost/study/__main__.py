@@ -7,12 +7,18 @@
         copies SWEEP_DIR/results.csv and each finished cell's compact series into
         study/results/EXPERIMENT/ (results.csv, series/<cell>.csv)
 
+    megapost-law events SWEEP_DIR
+        prints one JSON: every cell's outcome and its step (finished or not: a run still going is judged
+        on the steps it has), read from each cell's collapse_metrics.jsonl
+
 (``make law`` runs ``fit``; ``python -m megapost.study`` is the same command.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 import sys
 import time
@@ -20,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megapost.config.errors import ConfigError
-from megapost.study.events import DEFAULT
+from megapost.study.events import DEFAULT, from_series
 from megapost.study.fit import fit_law, loo_coverage
 from megapost.study.law import SHIPPED, save
 from megapost.study.report import fit_lines, loo_lines, paper_lines, relabel_table
-from megapost.study.results import export_series, hazard_runs, read_rows
+from megapost.study.results import export_series, hazard_runs, jsonl_series, read_rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("sweep")
     c.add_argument("experiment")
     c.add_argument("--results", default="study/results")
+    e = sub.add_parser("events", help="every cell's outcome and step, one JSON")
+    e.add_argument("sweep")
     return p
+
+
+CELL = re.compile(r"^(?P<variant>[^_]+)_L(?P<depth>\d+)_lr(?P<lr>[^_]+)_w(?P<warmup>\d+)_s(?P<seed>\d+)$")
+
+
+def events(sweep: Path) -> int:
+    out = []
+    for cell in sorted((sweep / "cells").glob("*")):
+        m = CELL.match(cell.name)
+        jsonl = cell / "tensorboard" / "collapse_metrics.jsonl"
+        if m is None or not jsonl.is_file():
+            continue
+        steps, loss, tsim, ratio, freq = jsonl_series(jsonl)
+        rec = {"cell": cell.name, "lr": float(m["lr"]), "seed": int(m["seed"]), "depth": int(m["depth"]),
+               "warmup": int(m["warmup"]), "finished": (cell / "outcome.json").is_file(),
+               "last_step": steps[-1] if steps else None, "freq_loss": freq}
+        if steps:
+            ev = from_series(steps, loss, tsim, ratio, freq)
+            rec.update(event=ev.kind, step=ev.step, learned_step=ev.learned_step,
+                       at_risk_until=ev.at_risk_until,
+                       final_loss=next((v for v in reversed(loss) if v is not None), None))
+        out.append(rec)
+    print(json.dumps({"sweep": str(sweep), "criterion": DEFAULT.describe(), "runs": out}, indent=1))
+    return 0
 
 
 def collect(sweep: Path, experiment: str, results: Path) -> int:
@@ -83,6 +115,8 @@ def fit_command(results: str, out: str, influence: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "events":
+        return events(Path(args.sweep))
     if args.command == "collect":
         return collect(Path(args.sweep), args.experiment, Path(args.results))
     return fit_command(args.results, args.out, not args.no_influence)

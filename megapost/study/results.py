@@ -12,9 +12,11 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from megapost.study.events import DEFAULT, FAILED, Criterion, Event, from_row, from_series
 from megapost.study.hazard import HazardRun, Schedule
@@ -116,31 +118,47 @@ def read_series(path: Path) -> tuple[list[int], list[float | None], list[float |
     return steps, loss, tsim, ratio
 
 
-def _step_records(jsonl: Path) -> Iterator[dict]:
+def _step_records(jsonl: Path) -> dict[int, dict]:
+    """The step records of a collapse_metrics.jsonl by step (a later record of a step supersedes)."""
+    by_step: dict[int, dict] = {}
     with open(jsonl, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
                 if "layer" not in rec and "step" in rec:
-                    yield rec
+                    by_step.setdefault(int(rec["step"]), {}).update(rec)
+    return by_step
+
+
+def jsonl_series(jsonl: Path) -> tuple[list[int], list, list, list, float]:
+    """(steps, loss, t_sim_head, grad_ratio, corpus frequency loss) of a run's collapse_metrics.jsonl."""
+    by_step = _step_records(jsonl)
+    steps = sorted(by_step)
+
+    def col(key: str) -> list[float | None]:
+        out = []
+        for s in steps:
+            v = by_step[s].get(key)
+            out.append(None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v))
+        return out
+
+    freq = next((by_step[s]["freq_loss_corpus"] for s in steps if by_step[s].get("freq_loss_corpus")),
+                math.nan)
+    return steps, col("loss"), col("t_sim_head"), col("grad_ratio"), float(freq)
 
 
 def export_series(run_dir: Path, schedule: Schedule, out: Path) -> None:
-    """A run's compact series (SERIES_FIELDS) from its tensorboard/collapse_metrics.jsonl (a later record
-    of a step supersedes an earlier one), written atomically. lr is the schedule's at the step."""
-    by_step: dict[int, dict] = {}
-    for rec in _step_records(run_dir / "tensorboard" / "collapse_metrics.jsonl"):
-        by_step.setdefault(int(rec["step"]), {}).update(rec)
+    """A run's compact series (SERIES_FIELDS) from its tensorboard/collapse_metrics.jsonl, written
+    atomically. lr is the schedule's at the step (the lr of the step's update)."""
+    steps, loss, tsim, ratio, _ = jsonl_series(run_dir / "tensorboard" / "collapse_metrics.jsonl")
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(SERIES_FIELDS)
-    for step in sorted(by_step):
-        rec = by_step[step]
-        lr = schedule.at([step - 1])[0] if step > 0 else schedule.at([0])[0]
 
-        def text(key: str, rec: dict = rec) -> str:
-            v = rec.get(key)
-            return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.6g}"
+    def text(v: float | None) -> str:
+        return "" if v is None else f"{v:.6g}"
 
-        w.writerow([step, f"{lr:.6g}", text("loss"), text("t_sim_head"), text("grad_ratio")])
+    for i, step in enumerate(steps):
+        lr = schedule.at(np.array([max(step - 1, 0)]))[0]
+        w.writerow([step, f"{lr:.6g}", text(loss[i]), text(tsim[i]), text(ratio[i])])
     atomic_write_text(out, buf.getvalue())
