@@ -126,9 +126,13 @@ def test_the_planner_line_prints_p_only_when_the_interval_is_narrow() -> None:
     mids = [(s + min(s + 5, 2500) - 1) // 2 for s in range(0, 2500, 5)]
     h = sum(5 * math.exp(24.9 + 8.0 * math.log(sched.at([m])[0])) for m in mids)
     assert narrow["p_collapse"] == pytest.approx(-math.expm1(-h), rel=1e-6)
-    wide = risk_line(_law(100.0), {**x, "depth": 48.0}, sched)
-    assert wide["ratio"] > 10 and wide["p_collapse"] is None and "no P(collapse)" in wide["line"]
-    assert "outside the measured box: depth 48 > 4" in wide["line"]
+    wide = risk_line(_law(100.0), x, sched)
+    assert wide["ratio"] > 10 and wide["p_collapse"] is None
+    assert "no P(collapse): wider than x10" in wide["line"]
+    unseen = risk_line(_law(1e-6), {**x, "depth": 48.0}, sched)  # no depth term, depth never varied
+    assert unseen["p_collapse"] is None and unseen["ratio"] == math.inf
+    assert "no term for depth (measured 4; here 48)" in unseen["line"]
+    assert "outside the measured box: depth 48 > 4" in unseen["line"]
 
 
 def test_the_sweep_refuses_a_pass_through_decay_style() -> None:

@@ -37,6 +37,8 @@ def _try(runs: Sequence[HazardRun], form: HForm) -> HazardFit | None:
 
 def fit_law(rows: Sequence[Row], crit: Criterion = DEFAULT, influence: bool = True) -> HazardLaw:
     runs, _ = hazard_runs(rows, crit)
+    if not runs:
+        raise ValueError("no run that learned in the data")
     fits = sorted((f for f in (_try(runs, form) for form in candidate_forms(runs)) if f is not None),
                   key=lambda f: f.aic)
     if not fits:
@@ -47,6 +49,10 @@ def fit_law(rows: Sequence[Row], crit: Criterion = DEFAULT, influence: bool = Tr
         got = _try(hazard_runs(rows, c)[0], best.form)
         if got is not None:
             alts.append(Branch("label", name, got))
+    with_short = hazard_runs(rows, crit, min_window=0)[0]
+    got = _try(with_short, best.form) if len(with_short) > len(runs) else None
+    if got is not None:
+        alts.append(Branch("label", "with the short rows (at risk from step 0)", got))
     if influence:
         for config in sorted({r.config for r in runs}):
             kept = [r for r in runs if r.config != config]

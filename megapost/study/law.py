@@ -31,7 +31,7 @@ from megapost.utils.atomic import atomic_write_text
 SCHEMA, VERSION = "megapost.hazard_law", 1
 SHIPPED = Path(__file__).with_name("hazard_law_post.json")
 UNINFORMATIVE = 10.0  # wider than this ratio: no P(collapse) is printed
-DRAWS = 400
+DRAWS = 1000
 
 
 @dataclass
@@ -54,10 +54,12 @@ class Spread:
     interval: tuple[float, float]
     conditional: dict[str, float]  # the best branch's interval ratio if that term were known exactly
     extrapolated: list[str]
+    unmeasured: list[str]  # factors without a term whose value here the data never had
 
     @property
     def ratio(self) -> float:
-        return self.interval[1] / self.interval[0]
+        """The interval's width; infinite when a factor without a term is not at the data's value."""
+        return math.inf if self.unmeasured else self.interval[1] / self.interval[0]
 
 
 @dataclass
@@ -101,9 +103,11 @@ class HazardLaw:
             cond[c] = math.exp(chi - clo)
         ext = [f"{f} {x[f]:,.0f} {'<' if x[f] < a else '>'} {a if x[f] < a else b:,.0f}"
                for f, (a, b) in self.box.items() if not a <= x[f] <= b]
+        unmeasured = [f"{f} (measured {_span(a, b)}; here {x[f]:,.0f})" for f, (a, b) in self.box.items()
+                      if f not in self.best.form.factors and not a <= x[f] <= b]
         return Spread(math.exp(mid), (math.exp(lo), math.exp(hi)),
                       {k: (math.exp(a), math.exp(b)) for k, (a, b) in by_kind.items()},
-                      (math.exp(env_lo), math.exp(env_hi)), cond, ext)
+                      (math.exp(env_lo), math.exp(env_hi)), cond, ext, unmeasured)
 
     def p_collapse(self, x: Mapping[str, float], sched: Schedule) -> tuple[float, float, float]:
         """P(collapse by the last step) at the schedule's peak lr: estimate and the best branch's interval."""
@@ -133,6 +137,10 @@ class HazardLaw:
                    int(d["draws"]), dict(d.get("provenance", {})), d.get("validation"))
 
 
+def _span(a: float, b: float) -> str:
+    return f"{a:,.0f}" if a == b else f"{a:,.0f}-{b:,.0f}"
+
+
 def save(path: str | os.PathLike[str], law: HazardLaw) -> None:
     atomic_write_text(Path(path), json.dumps(law.as_dict(), indent=1) + "\n")
 
@@ -151,13 +159,19 @@ def risk_line(law: HazardLaw, x: Mapping[str, float], sched: Schedule) -> dict[s
     """The planner's delayed-collapse record and line for a run (factors ``x``, schedule ``sched``)."""
     s = law.spread(x, sched)
     lo, hi = s.interval
-    head = (f"delayed collapse (hazard law): lr* {s.lr_star:.3g} [{lo:.3g}, {hi:.3g}] (x{s.ratio:.3g}; "
-            f"P = 1/2 of collapsing by step {sched.train_iters:,} on this schedule)")
+    head = (f"delayed collapse (hazard law): lr* {s.lr_star:.3g} [{lo:.3g}, {hi:.3g}] (x{hi / lo:.3g}"
+            + (" over the terms it has" if s.unmeasured else "")
+            + f"; P = 1/2 of collapsing by step {sched.train_iters:,} on this schedule)")
     rec: dict[str, Any] = {"lr_star": s.lr_star, "interval": [lo, hi], "ratio": s.ratio,
+                           "unmeasured": s.unmeasured,
                            "param_interval": list(s.param),
                            "by_kind": {k: list(v) for k, v in s.by_kind.items()},
                            "conditional": s.conditional, "extrapolated": s.extrapolated}
-    if s.ratio > UNINFORMATIVE:
+    if s.unmeasured:
+        head += ("; no P(collapse): no term for " + ", ".join(s.unmeasured) + ": the data hold no delayed "
+                 "collapse there, so the law cannot see past it")
+        rec["p_collapse"] = None
+    elif s.ratio > UNINFORMATIVE:
         worst = max(s.conditional, key=lambda c: -s.conditional[c], default=None)
         kinds = max(s.by_kind, key=lambda k: s.by_kind[k][1] / s.by_kind[k][0], default=None)
         why = []

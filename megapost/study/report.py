@@ -3,13 +3,14 @@ the alternatives, the leave-one-configuration-out coverage and the paper-180m li
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from megapost.study.events import DEFAULT, DELAYED, FAILED, SURVIVED, Criterion
-from megapost.study.hazard import Schedule
+from megapost.study.hazard import Schedule, log_lr_star
 from megapost.study.law import HazardLaw, risk_line
 from megapost.study.results import Row
 
@@ -80,6 +81,10 @@ def paper_lines(law: HazardLaw) -> list[str]:
                  f"(x{s.ratio:.3g}); contains 7e-4: {s.interval[0] <= 7e-4 <= s.interval[1]}")
     for k, (a, b) in s.by_kind.items():
         lines.append(f"    {k} alternatives: [{a:.3g}, {b:.3g}] (x{b / a:.3g})")
+    sched = paper_schedule(8e-4)
+    for br in law.alternatives:
+        star = math.exp(float(log_lr_star(br.fit.theta, br.fit.form, PAPER_X, sched)[0]))
+        lines.append(f"      {br.kind}: {br.name}: lr* {star:.3g}")
     lines.append("    parameter interval with one term known exactly: " + ", ".join(
         f"{c} x{v:.3g}" for c, v in sorted(s.conditional.items(), key=lambda kv: kv[1])))
     return lines

@@ -25,6 +25,7 @@ from megapost.utils.atomic import atomic_write_text
 SERIES_FIELDS = ("step", "lr", "loss", "t_sim_head", "grad_ratio")
 HELD = {"seq_length": 32.0, "vocab": 2048.0, "heads": 4.0}  # the hazard's data hold these (others set aside)
 HELD_INIT = "paper"
+MIN_ROW_WINDOW = 200  # steps at risk a row without series needs (hazard_runs)
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,18 @@ def read_rows(root: str | Path) -> list[Row]:
     return out
 
 
-def hazard_runs(rows: Sequence[Row], crit: Criterion = DEFAULT) -> tuple[list[HazardRun], list[Row]]:
+def hazard_runs(rows: Sequence[Row], crit: Criterion = DEFAULT,
+                min_window: int = MIN_ROW_WINDOW) -> tuple[list[HazardRun], list[Row]]:
     """(the runs the hazard is fitted on, the rows set aside): runs that learned, at the held sequence,
-    vocabulary, heads and init; at risk from the step they learned (a row without series: from 0)."""
+    vocabulary, heads and init; at risk from the step they learned. A row without series is at risk from
+    step 0 (when it learned is unknown) and is used only when its window at risk (train_iters - K) is at
+    least ``min_window`` steps: in the 150-step runs of the older sweeps (50 steps at risk) surviving
+    cannot be told from not having learned yet."""
     runs, aside = [], []
     for r in rows:
         held = all(r.number(k) == v for k, v in HELD.items()) and r.values.get("init") == HELD_INIT
-        if not held:
+        short = r.series is None and r.number("train_iters") - crit.sustain < min_window
+        if not held or short:
             aside.append(r)
             continue
         ev = r.event(crit)
