@@ -30,5 +30,9 @@ test: install
 	lint-imports --no-cache  # the import layering of pyproject.toml [tool.importlinter]
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-law:  # the shipped study data -> megapost/study/hazard_law_post.json (docs/study_results.md); numpy only
+# the factor study's sweeps (failure to start; short runs, cosine): the boundary law's data, kept as shipped
+BOUNDARY_DATA := study/results/grid_w20/boundary.json $(addprefix study/results/,heads init length \
+	paper_512x48 seq tokens vocab warmup warmup_depth width)
+law:  # the shipped study data -> megapost/study/{boundary,hazard}_law_post.json (docs/study_results.md)
+	$(PYTHON) -m megapost.study boundary $(BOUNDARY_DATA) --out megapost/study/boundary_law_post.json
 	$(PYTHON) -m megapost.study fit

@@ -10,7 +10,7 @@
 # (default: all, in priority order): warmup depth width paper w2000 factors deep (tokens and seq: those two
 # factors alone). WIDE, TOKENS, SEQS: the widths, batches and seq:batch pairs of those parts. KEEP (default
 # study/results): where each sweep's results.csv is copied after every sweep, the folder the shipped law
-# is fitted from (tools/fit_collapse_law.py study/results), so the study's data travels with the
+# is fitted from (megapost-law boundary study/results), so the study's data travels with the
 # repository and not only with $OUT.
 #
 #   OUT=/work/study bash examples/collapse_factor_study.sh

@@ -107,6 +107,6 @@ def test_the_shipped_fit_loads_and_an_old_boundary_file_is_refused(tmp_path, mon
     assert source == SHIPPED_LABEL and law.placement == "post" and law.provenance["runs"] > 100
     assert all((REPO / s["path"]).is_file() for s in law.provenance["sources"])
     old = REPO / "study" / "results" / "grid_w20" / "boundary.json"  # the old study's probes: data
-    with pytest.raises(ConfigError, match="not a tools/fit_collapse_law.py fit.*refit with"):
+    with pytest.raises(ConfigError, match="not a megapost-law boundary fit.*refit with"):
         load_law(str(old))
     assert json.loads(old.read_text())["points"]

@@ -49,7 +49,7 @@ def test_contracts_kept() -> None:
     ("megapost/ds_adapter/fragments.py", "import megapost.utils.atomic",
      "ds_adapter (DeepSpeed private API) imports nothing of megapost"),
     ("megapost/study/hazard.py", "import megapost.engine.schedule",
-     "study (the collapse study: events, laws, fits; torch-free) imports only config.errors and utils"),
+     "study (torch-free) imports only config.errors and utils"),
 ])
 def test_a_bad_import_breaks_its_contract(tree_copy: Path, module: str, bad_import: str,
                                           contract: str) -> None:

@@ -150,3 +150,13 @@ def test_the_study_package_is_torch_free() -> None:
     code = ("import sys; import megapost.study.__main__, megapost.study.fit, megapost.study.boundary_fit; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_the_paper_setting_is_the_presets() -> None:
+    from megapost.config.presets import PRESETS
+    from megapost.study.report import PAPER_MIN_LR, PAPER_TRAIN_ITERS, PAPER_X
+
+    p = PRESETS["paper-180m"]
+    assert PAPER_X == {"width": p["hidden_size"], "depth": p["num_layers"], "warmup": p["lr_warmup_iters"],
+                       "tokens_per_step": p["global_batch_size"] * p["seq_length"]}
+    assert (PAPER_TRAIN_ITERS, PAPER_MIN_LR, p["lr_decay_style"]) == (p["train_iters"], p["min_lr"], "cosine")

@@ -13,7 +13,7 @@ collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
 in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (analysis/boundary.py,
 intervals from the brackets), plotted (<out>/boundary.png), extrapolated to the ladder presets (labelled
-extrapolation), and written to <out>/boundary.json; ``python tools/fit_collapse_law.py
+extrapolation), and written to <out>/boundary.json; ``megapost-law boundary
 <out>/boundary.json`` fits the planner's law from it (maximum likelihood over every probe's seeds).
 <out>/verify.sh lists the GPU runs that would test the prediction at the next size,
 with their planned cost. Flags after ``--`` go to every run.
@@ -223,7 +223,7 @@ def report(args: argparse.Namespace, points: list[Bracket]) -> dict:
     atomic_write_text(out / "boundary.json", json.dumps(data, indent=1))
     atomic_write_text(out / "verify.sh", "#!/usr/bin/env bash\n" + "\n".join(verify) + "\n")
     plot(out / "boundary.png", points, fit)
-    print(f"the planner's law: python tools/fit_collapse_law.py {out / 'boundary.json'}")
+    print(f"the planner's law: megapost-law boundary {out / 'boundary.json'}")
     print("| width | depth | lr* | bracket | probes (lr: collapsed/seeds) |\n|---|---|---|---|---|")
     for b in points:
         est = f"{b.estimate:.3g}" if b.status == "open" else b.status

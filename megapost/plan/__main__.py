@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
     g.add_argument("--collapse-law", "--collapse-boundary", dest="collapse_law", metavar="FILE", default=None,
-                   help="collapse-law fit of tools/fit_collapse_law.py for the collapse-risk line (default: "
+                   help="collapse-law fit of megapost-law boundary for the collapse-risk line (default: "
                    "$MEGAPOST_COLLAPSE_LAW, runs/collapse_law/law.json, else the shipped CPU fit)")
     return p
 

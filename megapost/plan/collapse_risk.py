@@ -17,10 +17,8 @@ from typing import Any
 
 from megapost.config.errors import ConfigError
 from megapost.study import law as hazard_law
-from megapost.study.boundary_law import Law
+from megapost.study.boundary_law import UNINFORMATIVE, Law
 from megapost.study.hazard import Schedule
-
-UNINFORMATIVE = 10.0  # an interval wider than this ratio: no P(collapse), the term it cannot see past
 
 
 def collapse_risk(law: Law | None, source: str, placement: str, x: Mapping[str, float],

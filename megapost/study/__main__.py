@@ -7,6 +7,9 @@
         copies SWEEP_DIR/results.csv and each finished cell's compact series into
         study/results/EXPERIMENT/ (results.csv, series/<cell>.csv)
 
+    megapost-law boundary INPUTS... [--out FILE]
+        the failure-to-start (boundary) law: probit fit over every probe's seeds (boundary_cli.py; the
+        factor study's folders and study/results/grid_w20/boundary.json: see the Makefile's law target)
     megapost-law events SWEEP_DIR
         prints one JSON: every cell's outcome and its step (finished or not: a run still going is judged
         on the steps it has), read from each cell's collapse_metrics.jsonl
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megapost.config.errors import ConfigError
+from megapost.study import boundary_cli
 from megapost.study.events import DEFAULT, from_series
 from megapost.study.fit import fit_law, loo_coverage
 from megapost.study.law import SHIPPED, save
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("sweep")
     c.add_argument("experiment")
     c.add_argument("--results", default="study/results")
+    sub.add_parser("boundary", help="the failure-to-start law (megapost-law boundary --help)")
     e = sub.add_parser("events", help="every cell's outcome and step, one JSON")
     e.add_argument("sweep")
     return p
@@ -114,6 +119,9 @@ def fit_command(results: str, out: str, influence: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["boundary"]:
+        return boundary_cli.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "events":
         return events(Path(args.sweep))

@@ -1,5 +1,5 @@
 """The collapse law: ONE schema of a fitted Post-Norm collapse boundary, written by
-``tools/fit_collapse_law.py`` (fitting: ``megapost.study.boundary_fit``) and read by the planner's
+``megapost-law boundary`` (fitting: ``megapost.study.boundary_fit``) and read by the planner's
 collapse-risk line and the guard's ``law`` remedy (through ``megapost.plugin_api``).
 
 The law. For a run with factors x (width, depth, warmup, tokens per step, decay_iters = the train iters
@@ -51,9 +51,10 @@ INIT_CODE = {"paper": 0.0, "std": 1.0}
 WARMUP_FORMS = ("none", "log1p", "sat")
 ALT_DELTA_AIC = 2.0
 Z95 = 1.959963984540054
+UNINFORMATIVE = 10.0  # an interval wider than this ratio: no P(collapse), the term it cannot see past
 
 DEFAULT_LAW = Path("runs") / "collapse_law" / "law.json"
-SHIPPED_LAW = Path(__file__).with_name("boundary_law_post.json")  # tools/fit_collapse_law.py's CPU fit
+SHIPPED_LAW = Path(__file__).with_name("boundary_law_post.json")  # megapost-law boundary's CPU fit
 SHIPPED_LABEL = "megapost/study/boundary_law_post.json, shipped: CPU study, failure-to-start law"
 ENV = "MEGAPOST_COLLAPSE_LAW"
 
@@ -252,13 +253,13 @@ def load_law(path: str | None, flag: str = "--collapse-law") -> tuple[Law | None
     chosen = path or os.environ.get(ENV) or next(
         (str(f) for f in (DEFAULT_LAW, SHIPPED_LAW) if f.is_file()), None)
     if chosen is None:
-        return None, "no collapse-law fit (run tools/fit_collapse_law.py, or pass --collapse-law FILE)"
+        return None, "no collapse-law fit (run megapost-law boundary, or pass --collapse-law FILE)"
     try:
         data = json.loads(Path(chosen).read_text(encoding="utf-8"))
         law = Law.from_dict(data)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise ConfigError(f"{flag} {chosen}: not a tools/fit_collapse_law.py fit ({type(e).__name__}: {e}); "
-                          "refit with tools/fit_collapse_law.py") from None
+        raise ConfigError(f"{flag} {chosen}: not a megapost-law boundary fit ({type(e).__name__}: {e}); "
+                          "refit with megapost-law boundary") from None
     return law, SHIPPED_LABEL if chosen == str(SHIPPED_LAW) else chosen
 
 
