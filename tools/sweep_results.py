@@ -25,7 +25,8 @@ OUTCOME = ("outcome", "collapsed", "final_loss", "last_loss", "freq_loss", "fina
            "final_tsim", "final_grad_ratio", "transition_step", "delayed", "alarm_step", "alarm_final",
            "warning_step", "collapse_grad_ratio")
 RUN = ("seconds", "engine", "flush_denormal")
-FIELDS = SETTINGS + OUTCOME + RUN
+EVENT = ("event", "event_step", "learned_step")  # the three outcomes, their step (megapost/study/events.py)
+FIELDS = SETTINGS + OUTCOME + RUN + EVENT
 
 
 # trainer flags each cell sets and results.csv records: a pass-through copy would change the run unrecorded
