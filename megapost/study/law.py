@@ -8,7 +8,8 @@ The JSON (schema "megapost.hazard_law", version 1; docs/study_results.md):
     alternatives [{kind: "label" | "form" | "influence", name, fit}]: refits under another label threshold
                  (events.ALTERNATIVES), the other forms (time-since-peak term, dropping a factor's term),
                  and leaving out one configuration at a time; a prediction's interval is the envelope
-                 of every branch's parameter interval
+                 of the best, form and label branches' parameter intervals and the influence refits'
+                 estimates (a refit's own interval would count the left-out data's loss, not influence)
     box          {factor: [min, max]} over the fitted runs
     level        0.95;  draws: parameter draws per branch;  provenance
 """
@@ -85,7 +86,11 @@ class HazardLaw:
         by_kind: dict[str, tuple[float, float]] = {}
         env_lo, env_hi = lo, hi
         for b in self.alternatives:
-            _, blo, bhi = self._quantiles(b.fit, x, sched)
+            if b.kind == "influence":  # a refit without one configuration: its estimate (its own
+                bmid = float(log_lr_star(b.fit.theta, b.fit.form, x, sched)[0])  # interval is the data lost)
+                blo = bhi = bmid
+            else:
+                _, blo, bhi = self._quantiles(b.fit, x, sched)
             klo, khi = by_kind.get(b.kind, (math.inf, -math.inf))
             by_kind[b.kind] = (min(klo, blo), max(khi, bhi))
             env_lo, env_hi = min(env_lo, blo), max(env_hi, bhi)
