@@ -198,16 +198,11 @@ class Law:
              "level": self.level, "box": self.box, "fixed": self.fixed,
              "alternatives": [a.as_dict() for a in self.alternatives], "forms": self.forms,
              "provenance": self.provenance}
-        if self.validation is not None:
-            d["validation"] = self.validation
-        return d
+        return with_validation(d, self.validation)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Law:
-        if d.get("schema") != SCHEMA or d.get("version") != VERSION:
-            raise ValueError(f"schema {d.get('schema')!r} version {d.get('version')!r}, expected "
-                             f"{SCHEMA!r} version {VERSION}")
-        box = {f: [float(a), float(b)] for f, (a, b) in d["box"].items()}
+        box = read_box(d, SCHEMA, VERSION)
         missing = [f for f in FACTORS if f not in box]
         if missing:
             raise ValueError(f"box lacks {missing}")
@@ -215,6 +210,20 @@ class Law:
                    d["placement"], d.get("criterion", ""), float(d["level"]),
                    [Branch.from_dict(a) for a in d.get("alternatives", [])], list(d.get("forms", [])),
                    dict(d["provenance"]), d.get("validation"))
+
+
+def with_validation(d: dict[str, Any], validation: dict[str, Any] | None) -> dict[str, Any]:
+    if validation is not None:
+        d["validation"] = validation
+    return d
+
+
+def read_box(d: Mapping[str, Any], schema: str, version: int) -> dict[str, list[float]]:
+    """A law JSON's box, after checking its schema and version (ValueError naming both)."""
+    if d.get("schema") != schema or d.get("version") != version:
+        raise ValueError(f"schema {d.get('schema')!r} version {d.get('version')!r}, expected "
+                         f"{schema!r} version {version}")
+    return {f: [float(a), float(b)] for f, (a, b) in d["box"].items()}
 
 
 def _g(factor: str, v: float) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from megapost.study.boundary_law import read_box, with_validation
 from megapost.study.hazard import FACTORS, HazardFit, Schedule, draws, log_lr_star, p_collapse
 from megapost.utils.atomic import atomic_write_text
 
@@ -125,16 +126,11 @@ class HazardLaw:
         d = {"schema": SCHEMA, "version": VERSION, "criterion": self.criterion, "best": self.best.as_dict(),
              "alternatives": [a.as_dict() for a in self.alternatives], "box": self.box, "level": self.level,
              "draws": self.draws, "provenance": self.provenance}
-        if self.validation is not None:
-            d["validation"] = self.validation
-        return d
+        return with_validation(d, self.validation)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HazardLaw:
-        if d.get("schema") != SCHEMA or d.get("version") != VERSION:
-            raise ValueError(f"schema {d.get('schema')!r} version {d.get('version')!r}, expected {SCHEMA!r} "
-                             f"version {VERSION}")
-        box = {f: [float(a), float(b)] for f, (a, b) in d["box"].items()}
+        box = read_box(d, SCHEMA, VERSION)
         if sorted(box) != sorted(FACTORS):
             raise ValueError(f"box has {sorted(box)}, expected {sorted(FACTORS)}")
         alts = [Branch(a["kind"], a["name"], HazardFit.from_dict(a["fit"])) for a in d["alternatives"]]
