@@ -11,7 +11,7 @@ bisected in log-lr between --lr-lo and --lr-hi (both ends first; an end on the w
 probe over --seeds; a probe "collapses" when >= half its seeds end in the collapsed state (outcome.py's
 collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
-in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (analysis/boundary.py,
+in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (study/bisection.py,
 intervals from the brackets), plotted (<out>/boundary.png), extrapolated to the ladder presets (labelled
 extrapolation), and written to <out>/boundary.json; ``megapost-law boundary
 <out>/boundary.json`` fits the planner's law from it (maximum likelihood over every probe's seeds).
@@ -31,7 +31,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.analysis.boundary import Bracket, fit_power_law, predict
 from collapse_metrics.corpus import train_split_frequency_loss
 from stability_sweep import Cell, add_run_flags, ints, parse_variant, run_cell
 from sweep_engine import make_pool, run_probes
@@ -40,6 +39,7 @@ from sweep_results import collapsed, write_csv
 from megapost.config.presets import PRESETS
 from megapost.data import SentencePieceTokenizer
 from megapost.model import ModelConfig
+from megapost.study.bisection import Bracket, fit_power_law, predict
 from megapost.utils.atomic import atomic_write_text
 
 LADDER = ("llama-350m", "llama-760m", "llama-1.3b", "llama-3b", "llama-7b", "paper-180m")
