@@ -160,3 +160,24 @@ def test_the_paper_setting_is_the_presets() -> None:
     assert PAPER_X == {"width": p["hidden_size"], "depth": p["num_layers"], "warmup": p["lr_warmup_iters"],
                        "tokens_per_step": p["global_batch_size"] * p["seq_length"]}
     assert (PAPER_TRAIN_ITERS, PAPER_MIN_LR, p["lr_decay_style"]) == (p["train_iters"], p["min_lr"], "cosine")
+
+
+def test_the_planner_reads_its_hazard_law_and_names_a_bad_file(tmp_path) -> None:
+    from argparse import Namespace
+
+    from megapost.plan.collapse_risk import delayed_collapse_risk
+    from megapost.study.law import save
+
+    flags = Namespace(norm_position="post", lr=0.02, min_lr=0.002, lr_warmup_iters=500, train_iters=2500,
+                      lr_decay_style="cosine", global_batch_size=8, seq_length=32)
+    model = Namespace(hidden_size=64, num_layers=4)
+    save(tmp_path / "law.json", _law(1e-6))
+    got = delayed_collapse_risk(flags, model, str(tmp_path / "law.json"))
+    sched = Schedule(0.02, 0.002, 500, 2500, "cosine")
+    x = {"width": 64.0, "depth": 4.0, "warmup": 500.0, "tokens_per_step": 256.0}
+    assert got["line"] == risk_line(_law(1e-6), x, sched)["line"] and got["available"]
+    (tmp_path / "bad.json").write_text('{"schema": "megapost.collapse_law", "version": 1}')
+    with pytest.raises(SystemExit, match="--hazard-law .*bad.json: not a hazard-law fit"):
+        delayed_collapse_risk(flags, model, str(tmp_path / "bad.json"))
+    assert "Post-Norm only" in delayed_collapse_risk(Namespace(**{**vars(flags), "norm_position": "pre"}),
+                                                     model)["line"]

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--collapse-law", "--collapse-boundary", dest="collapse_law", metavar="FILE", default=None,
                    help="collapse-law fit of megapost-law boundary for the collapse-risk line (default: "
                    "$MEGAPOST_COLLAPSE_LAW, runs/collapse_law/law.json, else the shipped CPU fit)")
+    g.add_argument("--hazard-law", metavar="FILE", default=None,
+                   help="delayed-collapse (hazard) law of megapost-law fit for the delayed-collapse line "
+                   "(default: the shipped megapost/study/hazard_law_post.json)")
     return p
 
 
@@ -165,7 +168,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                                         * min(args.gpus, args.gpus_per_node) / GiB if best else None),
         "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
                                        run_factors(args, cfg), args.lr),
-        "delayed_collapse": delayed_collapse_risk(args, cfg),
+        "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
     }
 
 

@@ -72,7 +72,7 @@ def delayed_collapse_risk(flags: Any, model: Any, path: str | None = None) -> di
     try:
         law = hazard_law.load(path)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"--hazard-law {e}") from None
     warmup = int(flags.lr_warmup_iters or 0)
     x = {"width": float(model.hidden_size), "depth": float(model.num_layers), "warmup": float(warmup),
          "tokens_per_step": float(flags.global_batch_size * flags.seq_length)}
