@@ -163,7 +163,8 @@ def risk_line(law: HazardLaw, x: Mapping[str, float], sched: Schedule) -> dict[s
     head = (f"delayed collapse (hazard law): lr* {s.lr_star:.3g} [{lo:.3g}, {hi:.3g}] (x{hi / lo:.3g}"
             + (" over the terms it has" if s.unmeasured else "")
             + f"; P = 1/2 of collapsing by step {sched.train_iters:,} on this schedule)")
-    rec: dict[str, Any] = {"lr_star": s.lr_star, "interval": [lo, hi], "ratio": s.ratio,
+    rec: dict[str, Any] = {"lr_star": s.lr_star, "interval": [lo, hi],
+                           "ratio": None if s.unmeasured else s.ratio,  # None: unbounded (strict JSON)
                            "unmeasured": s.unmeasured,
                            "param_interval": list(s.param),
                            "by_kind": {k: list(v) for k, v in s.by_kind.items()},
