@@ -181,3 +181,17 @@ def test_the_planner_reads_its_hazard_law_and_names_a_bad_file(tmp_path) -> None
         delayed_collapse_risk(flags, model, str(tmp_path / "bad.json"))
     assert "Post-Norm only" in delayed_collapse_risk(Namespace(**{**vars(flags), "norm_position": "pre"}),
                                                      model)["line"]
+
+
+def test_the_shipped_hazard_law_is_the_fit_of_the_shipped_data() -> None:
+    """megapost/study/hazard_law_post.json is what `make law` writes from study/results (a rerun of
+    the best form's fit reproduces its coefficients)."""
+    from megapost.study.fit import fit_law
+    from megapost.study.law import load
+    from megapost.study.results import read_rows
+
+    shipped = load()
+    refit = fit_law(read_rows(REPO / "study" / "results"), influence=False)
+    assert refit.best.form == shipped.best.form
+    assert refit.best.theta == pytest.approx(shipped.best.theta, rel=1e-9, abs=1e-12)
+    assert refit.best.events == shipped.best.events and refit.best.runs == shipped.best.runs
