@@ -13,10 +13,10 @@ import pytest
 from launch_utils import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
-from law_report import law_lines, paper_test  # noqa: E402
 from readme_law import check_law  # noqa: E402
 
-from megapost.plan.collapse_law import SHIPPED_LAW, load_law  # noqa: E402
+from megapost.study.boundary_law import SHIPPED_LAW, load_law  # noqa: E402
+from megapost.study.boundary_report import law_lines, paper_test  # noqa: E402
 
 
 def _tool(readme) -> subprocess.CompletedProcess:

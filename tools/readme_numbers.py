@@ -11,7 +11,7 @@ Covered:
     ``(the paper's mbK: Y GiB)``) are compared with the planner's ``--json`` recommendation;
   * the collapse law (tools/readme_law.py): the law line ``lr* = ...``, its prose numbers (runs,
     configurations, leave-one-out coverage, the paper-180m lr* and interval, the warmup gain) against the
-    SHIPPED fit megapost/plan/collapse_law_post.json (read, not refitted), and every quoted
+    SHIPPED fit megapost/study/boundary_law_post.json (read, not refitted), and every quoted
     ``collapse risk: ...`` line against the planner's line for the command above it (same tolerance);
   * ``--slow``: the main job's ``validation loss a / b / c / d at steps i / j / k / l`` (Post-Norm,
     ``bash examples/pretrain_postnorm.sh``) against its ``validation at iteration N | lm loss X`` lines,
