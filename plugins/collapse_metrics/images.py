@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import torch
 
 from .table import SUBLAYERS
 from .tb_layout import layer_output
@@ -65,6 +66,27 @@ class DepthImages:
             col.append(np.array([_value(by.get(key), field) for key in keys], dtype=np.float64))
         self.steps.append(step)
         self.columns.append(col)
+
+    def _sizes(self) -> list[int]:
+        """Rows per quantity in a column (per-sublayer quantities have a row per sublayer)."""
+        return [len(self.layers) * (len(SUBLAYERS) if per_sub else 1) for _, _, per_sub, _ in QUANTITIES]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history as one [steps, rows] float64 tensor (a checkpoint stores it as a tensor)."""
+        flat = [np.concatenate(col) for col in self.columns]
+        return {"layers": list(self.layers), "steps": list(self.steps),
+                "columns": torch.from_numpy(np.stack(flat)) if flat else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved history; none when the measured layers changed (--collapse-layers)."""
+        self.steps.clear()
+        self.columns.clear()
+        if tuple(state["layers"]) != tuple(self.layers) or state["columns"] is None:
+            return
+        cuts = np.cumsum(self._sizes())[:-1]
+        for step, row in zip(state["steps"], np.asarray(state["columns"], dtype=np.float64), strict=True):
+            self.steps.append(int(step))
+            self.columns.append(list(np.split(row, cuts)))
 
     def profiles(self) -> Any:
         """One panel per quantity: value against layer index at up to three measured steps."""
