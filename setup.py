@@ -32,6 +32,12 @@ setup(
     entry_points={
         "console_scripts": [
             "megapost-pretrain=megapost.pretrain:main",
+            "megapost-preprocess=megapost.data.commands:preprocess_main",
+            "megapost-train-tokenizer=megapost.data.commands:train_tokenizer_main",
+            "megapost-prepare-data=megapost.data.commands:prepare_data_main",
+            "megapost-plan=megapost.plan.__main__:main",
+            "megapost-export-hf=megapost.checkpoint.hf_command:export_hf_main",
+            "megapost-sweep=megapost.tool_scripts:sweep",  # the study's law command: helper law's package
         ],
         "megapost.plugins": [
             "collapse_metrics=collapse_metrics.plugin:CollapseMetricsPlugin",
