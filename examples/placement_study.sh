@@ -28,7 +28,7 @@ OUT=${OUT:-$RUN_ROOT/placement_study}  # OUT=docs/figures/placement_study refres
 VARIANTS=${VARIANTS:-post,pre,sandwich,deepnorm,mix,hybrid,pre-scaled,dyt,post+qk-norm,post+z-loss=1e-4}
 DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configurations
 DELAYED_WARMUPS=${DELAYED_WARMUPS:-200,100}
-DELAYED_SEED=${DELAYED_SEED:-4}  # the seed the README's placement table was measured at
+DELAYED_SEED=${DELAYED_SEED:-4}  # the seed docs/placement_comparison.md's table was measured at
 JOBS=${JOBS:-2}
 source examples/toy_settings.sh
 PHASE=${PHASE:-}  # toy or delayed: that configuration over PHASE_LRS x PHASE_WARMUPS too (off: costly)

@@ -12,7 +12,7 @@ FORMATS = ("megapost", "deepspeed", "torch", "torch_dist")
 FORMAT_NOTES = {
     "torch": "megapost writes its sharded safetensors checkpoint (per-rank files, any-layout resume)",
     "torch_dist": "megapost writes its own sharded safetensors checkpoint instead of torch.distributed."
-                  "checkpoint: per-rank parallel writes, any-layout resume, no pickle (README: why)",
+                  "checkpoint: per-rank parallel writes, any-layout resume, no pickle (docs/checkpoints.md)",
 }
 
 
