@@ -26,7 +26,8 @@ endif
 
 train: install  # MASTER_PORT, else a free port (printed); LAUNCHER's --master_port wins over both
 	@port=$${MASTER_PORT:-$$($(PYTHON) -m megapost.utils.ports)}; echo "master port $$port (set MASTER_PORT to choose)"; \
-	deepspeed --master_port $$port $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
+	accel=$$($(PYTHON) -c 'import megapost, os; print(os.environ["DS_ACCELERATOR"] if "DS_ACCELERATOR" in os.environ else "")'); \
+	env $${accel:+DS_ACCELERATOR=$$accel} deepspeed --master_port $$port $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
 
 test: install
 	ruff check .
