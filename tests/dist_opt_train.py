@@ -1,0 +1,132 @@
+"""A tiny Llama trained with megapost.parallel.dist_optimizer on the gloo ranks of tests/dist_utils.run_ranks
+(or one process), for tests/test_dist_optimizer.py: losses, final weights, the recorded issue order of
+collectives against forward/backward compute, and checkpoint round trips."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import tiny_config
+
+from megapost.model.llama import LlamaModel
+from megapost.parallel.dist_optimizer import DistributedOptimizer
+
+MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64,
+             seq_length=16)
+BUCKET = 6000  # elements: about one transformer block per bucket
+
+
+def samples(step: int, count: int) -> torch.Tensor:
+    """``count`` token rows of step ``step`` (the same on every rank and layout)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, MODEL["vocab_size"], (count, MODEL["seq_length"] + 1), generator=g)
+
+
+def build(bf16: bool = False, group: Any = None, bucket: int = BUCKET, clip: float = 0.0, trace: Any = None,
+          reduce_dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, DistributedOptimizer]:
+    model = LlamaModel(tiny_config(**MODEL))
+    if bf16:
+        model = model.bfloat16()
+    opt = DistributedOptimizer(list(model.parameters()),
+                               lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+                               group, bucket_numel=bucket, clip_grad=clip, trace=trace,
+                               reduce_dtype=reduce_dtype)
+    opt.install_forward_hooks(model.modules())
+    return model, opt
+
+
+def run_step(model: LlamaModel, opt: DistributedOptimizer, step: int, micro: int, group: Any = None,
+             poison: bool = False) -> float:
+    """One optimizer step: ``micro`` micro-batches of one row each on this rank (rows rank, rank+dp, ...
+    of the step's dp x micro rows); returns the mean loss over every rank's micro-batches."""
+    dp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = samples(step, dp * micro)
+    total = torch.zeros((), dtype=torch.float64)
+    for j in range(micro):
+        tokens = rows[j * dp + rank].unsqueeze(0)
+        opt.start_micro_batch(last=j == micro - 1)
+        logits = model(tokens[:, :-1]).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        if poison and rank == 0 and j == micro - 1:
+            loss = loss * float("inf")
+        (loss / micro).backward()
+        total += loss.detach().double()
+    dist.all_reduce(total, group=group)
+    opt.step()
+    return float(total) / (dp * micro)
+
+
+def train(steps: int, micro: int, bf16: bool = False, clip: float = 0.0, bucket: int = BUCKET,
+          poison_step: int = 0, reduce_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Losses and the final weights of ``steps`` steps on this rank's data-parallel world."""
+    torch.manual_seed(0)
+    model, opt = build(bf16, bucket=bucket, clip=clip, reduce_dtype=reduce_dtype)
+    losses, skipped = [], []
+    for s in range(1, steps + 1):
+        losses.append(run_step(model, opt, s, micro, poison=s == poison_step))
+        skipped.append(bool(opt.skipped))
+    opt.finish_param_sync()
+    return {"losses": losses, "skipped": skipped, "params": {k: v.detach().float().clone()
+                                                        for k, v in model.state_dict().items()}}
+
+
+def train_plain(steps: int, micro: int) -> dict[str, Any]:
+    """The fp32 reference without megapost: one process, torch's AdamW on the model's parameters,
+    ``micro`` micro-batches of one row per step, gradients accumulated in ``.grad``."""
+    torch.manual_seed(0)
+    model = LlamaModel(tiny_config(**MODEL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    losses = []
+    for step in range(1, steps + 1):
+        total = 0.0
+        for tokens in samples(step, micro):
+            logits = model(tokens[None, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[None, 1:].reshape(-1))
+            (loss / micro).backward()
+            total += float(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / micro)
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def reshard(steps: int) -> dict[str, Any]:
+    """``steps`` steps at DP 2 (one micro-batch), the layout-free state saved, then ``steps`` more two
+    ways: on at DP 2, and on rank 0 alone (DP 1, two micro-batches, other buckets) from the saved state."""
+    torch.manual_seed(0)
+    model, opt = build()
+    for s in range(1, steps + 1):
+        run_step(model, opt, s, 1)
+    state = opt.full_state()
+    on = [run_step(model, opt, s, 1) for s in range(steps + 1, 2 * steps + 1)]
+    alone = dist.new_group([0])
+    out: dict[str, Any] = {"dp2": on}
+    if dist.get_rank() == 0:
+        model1, opt1 = build(group=alone, bucket=BUCKET // 3)
+        opt1.load_full_state(state)
+        out["dp1"] = [run_step(model1, opt1, s, 2, group=alone) for s in range(steps + 1, 2 * steps + 1)]
+    dist.barrier()
+    return out
+
+
+def trace_step(bf16: bool = True) -> dict[str, Any]:
+    """Events of optimizer step 2 (after step 1 updated the weights): collective issues from the
+    optimizer, and each parameterised leaf module's forward start/end and first gradient."""
+    events: list[str] = []
+    torch.manual_seed(0)
+    model, opt = build(bf16, trace=events.append)
+    names = {m: n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    for m, n in names.items():
+        m.register_forward_pre_hook(lambda _m, _a, n=n: events.append(f"forward start {n}"))
+        m.register_forward_hook(lambda _m, _a, _o, n=n: events.append(f"forward end {n}"))
+        for p in m.parameters(recurse=False):
+            p.register_post_accumulate_grad_hook(lambda _p, n=n: events.append(f"grad {n}"))
+    run_step(model, opt, 1, 2)
+    events.clear()
+    run_step(model, opt, 2, 2)
+    buckets = [sorted({names[m] for m in names for p in m.parameters(recurse=False)
+                       if any(p is q for q in b.params)}) for b in opt.buckets]
+    return {"events": list(events), "buckets": buckets}

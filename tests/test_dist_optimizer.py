@@ -1,0 +1,79 @@
+"""megapost.parallel.dist_optimizer on gloo ranks: bucket layout, losses against DP 1 and against torch's
+AdamW, the skip path, a checkpoint resharded to another data-parallel size, and the overlap proof (the
+recorded issue order of collectives against the forward and backward they overlap)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_opt_train import reshard, trace_step, train, train_plain
+from dist_utils import run_ranks
+
+from megapost.parallel.dist_optimizer import BucketLayout, bucket_layouts
+
+
+def test_bucket_layouts_close_at_size_and_pad_to_the_group() -> None:
+    # sizes 3+5 = 8 >= 6 closes bucket 0 (8, a multiple of 4); 2+7 = 9 pads to 12
+    assert bucket_layouts([3, 5, 2, 7], 6, 4) == [BucketLayout(0, 1, (0, 3), 8),
+                                                  BucketLayout(2, 3, (0, 2), 12)]
+    assert bucket_layouts([10], 100, 3) == [BucketLayout(0, 0, (0,), 12)]
+    assert BucketLayout(0, 0, (0,), 12).shard(2, 3) == (8, 12)
+
+
+@pytest.mark.slow
+def test_fp32_dp2_equals_dp1_bit_for_bit_and_torch_adamw() -> None:
+    """DP 2 x 1 micro-batch sums two gradients and halves them; DP 1 x 2 adds two halved gradients: the
+    same fp32 numbers (halving is exact), so losses and weights agree bit for bit; so does torch's own
+    AdamW on the unbucketed model (elementwise, foreach off)."""
+    dp2 = run_ranks(train, 2, 4, 1)
+    dp1 = run_ranks(train, 1, 4, 2)[0]
+    plain = run_ranks(train_plain, 1, 4, 2)[0]
+    assert dp2[0]["losses"] == dp2[1]["losses"] == dp1["losses"] == plain["losses"]
+    for k, v in dp1["params"].items():
+        assert torch.equal(dp2[0]["params"][k], v) and torch.equal(dp2[1]["params"][k], v), k
+        assert torch.equal(plain["params"][k], v), k
+
+
+@pytest.mark.slow
+def test_more_micro_batches_and_bf16_within_tolerance() -> None:
+    """DP 2 x 2 against DP 1 x 4 adds the four gradients in another order: fp32 losses within 1e-6
+    relative; bf16 weights (fp32 masters, clip 1.0, gradients reduced in bf16) within 2e-2 (bf16 rounding
+    of the weights differs once a master weight differs in its last bit)."""
+    for bf16, tol in ((False, 1e-6), (True, 2e-2)):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        dp2 = run_ranks(train, 2, 4, 2, bf16, 1.0, 6000, 0, dtype)[0]["losses"]
+        dp1 = run_ranks(train, 1, 4, 4, bf16, 1.0, 6000, 0, dtype)[0]["losses"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(dp2, dp1, strict=True)) < tol, (bf16, dp2, dp1)
+
+
+@pytest.mark.slow
+def test_non_finite_gradient_on_one_rank_skips_the_step_everywhere() -> None:
+    ranks = run_ranks(train, 2, 3, 1, False, 1.0, 6000, 2)
+    clean = run_ranks(train, 2, 3, 1, False, 1.0, 6000, 0)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [False, True, False]
+    assert clean[0]["skipped"] == [False, False, False]
+    # the skipped step changed nothing but Adam's schedule did not advance either: step 3 of the skipped
+    # run starts from step 1's weights, so its loss differs from the clean run's step 3 loss
+    assert ranks[0]["losses"][:2] != [float("inf")] * 2 and ranks[0]["losses"][2] != clean[0]["losses"][2]
+
+
+@pytest.mark.slow
+def test_checkpoint_resharded_from_dp2_to_dp1_continues_bit_for_bit() -> None:
+    ranks = run_ranks(reshard, 2, 2)
+    assert ranks[0]["dp1"] == ranks[0]["dp2"] == ranks[1]["dp2"]
+
+
+@pytest.mark.slow
+def test_gathers_and_reduce_scatters_overlap_compute() -> None:
+    """Step 2 at DP 2 (bf16, two micro-batches): bucket i+1's weight all-gather is issued before the
+    forward of bucket i ends, and a bucket's reduce-scatter is issued before the backward ends (before
+    the first bucket's gradients are computed)."""
+    rank0 = run_ranks(trace_step, 2)[0]
+    ev, buckets = rank0["events"], rank0["buckets"]
+    assert len(buckets) >= 3, buckets
+    forward = ev[:next(j for j, e in enumerate(ev) if e.startswith("grad "))]  # micro-batch 1's forward
+    for i in range(len(buckets) - 1):
+        end_i = max(j for j, e in enumerate(forward) if e in {f"forward end {n}" for n in buckets[i]})
+        assert forward.index(f"all_gather {i + 1}") < end_i, (i, forward)
+    first_grads = max(j for j, e in enumerate(ev) if e in {f"grad {n}" for n in buckets[0]})
+    assert ev.index(f"reduce_scatter {len(buckets) - 1}") < first_grads, ev
