@@ -57,14 +57,46 @@ def table(rows: list[dict]) -> None:
               f"{dp_wire / plan['dp']:5.3f} | {sum(r['calls'].values())}")
 
 
+AFTER_BUCKET = 500_000  # elements per bucket of the distributed optimizer here (7 buckets)
+
+
+def after_rows() -> list[dict]:
+    """megapost.parallel.dist_optimizer on the same model, DP 4, bf16 and fp32 (tests/dist_opt_train)."""
+    from comm_count import install
+    from dist_opt_train import count_step
+    from dist_utils import run_ranks
+
+    from megapost.parallel.reduce_bytes import dist_optimizer_bytes
+
+    model = {k: MODEL[k] for k in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
+                                   "num_attention_heads", "seq_length")}
+    rows = []
+    for bf16 in (True, False):
+        for r in run_ranks(count_step, WORLD, list(MICRO_BATCHES), bf16, model, AFTER_BUCKET, setup=install,
+                           timeout=3600)[0]:
+            plan = dist_optimizer_bytes(r["params"], WORLD, bf16).total
+            wire = sum(r["wire"].values())
+            rows.append({"layout": f"DP4 {'bf16' if bf16 else 'fp32'} DistOpt", **r, "planned": plan})
+            print(f"DP4 {'bf16' if bf16 else 'fp32'} DistOpt | m {r['micro_batches']} | "
+                  f"{wire / MiB:7.2f} MiB | planner {plan / MiB:7.2f} | ratio {wire / plan:.4f} | "
+                  f"calls {r['calls']}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--read", help="print the rows of an earlier --json instead of counting")
+    p.add_argument("--after", action="store_true", help="count megapost's distributed optimizer instead")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     o = p.parse_args()
     if o.read:
         table(json.loads(Path(o.read).read_text()))
+        return
+    if o.after:
+        rows = after_rows()
+        if o.json:
+            Path(o.json).write_text(json.dumps(rows, indent=1))
         return
     cases = [(name, m) for name in o.layouts for m in MICRO_BATCHES]
     rank0 = run_counts([(m, [*LAYOUTS[name][2], *COMMON]) for name, m in cases], dp=WORLD, timeout=3600)[0]
