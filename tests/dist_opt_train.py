@@ -17,6 +17,7 @@ from megapost.parallel.dist_optimizer import DistributedOptimizer
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64,
              seq_length=16)
 BUCKET = 6000  # elements: about one transformer block per bucket
+MODEL_NOW: dict[str, Any] = {}  # overrides of MODEL for count_step (the benchmark's larger model)
 
 
 def samples(step: int, count: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def samples(step: int, count: int) -> torch.Tensor:
 
 def build(bf16: bool = False, group: Any = None, bucket: int = BUCKET, clip: float = 0.0, trace: Any = None,
           reduce_dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, DistributedOptimizer]:
-    model = LlamaModel(tiny_config(**MODEL))
+    model = LlamaModel(tiny_config(**{**MODEL, **MODEL_NOW}))
     if bf16:
         model = model.bfloat16()
     opt = DistributedOptimizer(list(model.parameters()),
@@ -44,16 +45,23 @@ def run_step(model: LlamaModel, opt: DistributedOptimizer, step: int, micro: int
     of the step's dp x micro rows); returns the mean loss over every rank's micro-batches."""
     dp, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = samples(step, dp * micro)
+    if MODEL_NOW:
+        rows = torch.randint(0, MODEL_NOW["vocab_size"], (dp * micro, MODEL_NOW["seq_length"] + 1),
+                             generator=torch.Generator().manual_seed(step))
     total = torch.zeros((), dtype=torch.float64)
+    # poison: rank 0's gradient of the last vector parameter (the final norm's gain, inside one rank's
+    # shard) becomes infinite, so one rank's reduced shard is finite and the other's is not
+    gain = [p for p in model.parameters() if p.dim() == 1][-1]
+    hook = gain.register_hook(lambda g: g * float("inf")) if poison and rank == 0 else None
     for j in range(micro):
         tokens = rows[j * dp + rank].unsqueeze(0)
         opt.start_micro_batch(last=j == micro - 1)
         logits = model(tokens[:, :-1]).float()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        if poison and rank == 0 and j == micro - 1:
-            loss = loss * float("inf")
         (loss / micro).backward()
         total += loss.detach().double()
+    if hook is not None:
+        hook.remove()
     dist.all_reduce(total, group=group)
     opt.step()
     return float(total) / (dp * micro)
@@ -130,3 +138,64 @@ def trace_step(bf16: bool = True) -> dict[str, Any]:
     buckets = [sorted({names[m] for m in names for p in m.parameters(recurse=False)
                        if any(p is q for q in b.params)}) for b in opt.buckets]
     return {"events": list(events), "buckets": buckets}
+
+
+def count_step(micro_batches: list[int], bf16: bool, model: dict[str, Any] | None = None,
+               bucket: int = BUCKET) -> list[dict[str, Any]]:
+    """Per micro-batch count: the wire bytes (tests/comm_count) of optimizer step 2 of the distributed
+    optimizer on this rank's data-parallel world, by collective, with the model's parameter count."""
+    from comm_count import COUNTS
+
+    out = []
+    for micro in micro_batches:
+        MODEL_NOW.update(model or {})
+        torch.manual_seed(0)
+        m, opt = build(bf16, bucket=bucket)
+        run_step(m, opt, 1, micro)
+        for d in (COUNTS.payload, COUNTS.wire, COUNTS.calls):
+            d.clear()
+        COUNTS.enabled = True
+        run_step(m, opt, 2, micro)
+        COUNTS.enabled = False
+        out.append({"micro_batches": micro, "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
+                    "params": sum(p.numel() for p in m.parameters()), "buckets": len(opt.buckets)})
+        MODEL_NOW.clear()
+    return out
+
+
+def train_tp(steps: int, micro: int, tp: int, count: bool = False) -> dict[str, Any]:
+    """``steps`` steps of megapost's tensor-parallel model (TP ``tp`` + SP, no DeepSpeed engine) with the
+    distributed optimizer over the data-parallel group, the norm also over the TP group (replicated
+    parameters counted once); losses, and with ``count`` the wire bytes of step 2 by group axis."""
+    from comm_count import COUNTS, _by_axis
+
+    from megapost.parallel import build_model, initialize_parallel, make_loss_fn
+
+    pstate = initialize_parallel(tp, 1, sequence_parallel=True)
+    model, _ = build_model(tiny_config(**MODEL), pstate)
+    loss_fn = make_loss_fn(pstate)
+    opt = DistributedOptimizer(
+        list(model.parameters()), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+        pstate.dp_group, bucket_numel=BUCKET, norm_groups=[pstate.tp_group],
+        norm_weight=lambda p: 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp)
+    opt.install_forward_hooks(model.modules())
+    losses, by_axis = [], {}
+    for step in range(1, steps + 1):
+        dp, rank = pstate.dp_size, pstate.dp_rank
+        rows = samples(step, dp * micro)
+        total = torch.zeros((), dtype=torch.float64)
+        COUNTS.enabled = count and step == 2
+        for j in range(micro):
+            tokens = rows[j * dp + rank].unsqueeze(0)
+            opt.start_micro_batch(last=j == micro - 1)
+            labels = tokens[:, 1:]
+            loss = loss_fn(model(tokens[:, :-1]), labels, torch.ones_like(labels, dtype=torch.float))
+            (loss / micro).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total, group=pstate.dp_group)
+        opt.step()
+        COUNTS.enabled = False
+        losses.append(float(total) / (dp * micro))
+        if count and step == 2:
+            by_axis = _by_axis(pstate)
+    return {"losses": losses, "by_axis": by_axis, "params": sum(p.numel() for p in model.parameters())}
