@@ -163,28 +163,38 @@ def count_step(micro_batches: list[int], bf16: bool, model: dict[str, Any] | Non
     return out
 
 
-def train_tp(steps: int, micro: int, tp: int, count: bool = False) -> dict[str, Any]:
+def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool = False) -> dict[str, Any]:
     """``steps`` steps of megapost's tensor-parallel model (TP ``tp`` + SP, no DeepSpeed engine) with the
     distributed optimizer over the data-parallel group, the norm also over the TP group (replicated
-    parameters counted once); losses, and with ``count`` the wire bytes of step 2 by group axis."""
+    parameters counted once); losses, the tensor-parallel all-reduces of step 2 (megapost's own
+    collectives), the optimizer's events and with ``count`` the wire bytes of step 2 by group axis.
+    ``defer``: the sequence-parallel gains summed once per step by the optimizer, not per micro-batch."""
     from comm_count import COUNTS, _by_axis
 
     from megapost.parallel import build_model, initialize_parallel, make_loss_fn
+    from megapost.parallel.collectives import COMM_STATS
+    from megapost.parallel.layers import defer_sequence_parallel_reduction
 
     pstate = initialize_parallel(tp, 1, sequence_parallel=True)
     model, _ = build_model(tiny_config(**MODEL), pstate)
     loss_fn = make_loss_fn(pstate)
+    deferred = defer_sequence_parallel_reduction(model) if defer else []
+    events: list[str] = []
     opt = DistributedOptimizer(
         list(model.parameters()), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
         pstate.dp_group, bucket_numel=BUCKET, norm_groups=[pstate.tp_group],
-        norm_weight=lambda p: 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp)
+        norm_weight=lambda p: 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp,
+        partial_sums=(pstate.tp_group, deferred) if defer else None, trace=events.append)
     opt.install_forward_hooks(model.modules())
-    losses, by_axis = [], {}
+    losses, by_axis, tp_calls, step_events = [], {}, 0, []
     for step in range(1, steps + 1):
         dp, rank = pstate.dp_size, pstate.dp_rank
         rows = samples(step, dp * micro)
         total = torch.zeros((), dtype=torch.float64)
         COUNTS.enabled = count and step == 2
+        COMM_STATS.reset()
+        COMM_STATS.enabled = step == 2
+        events.clear()
         for j in range(micro):
             tokens = rows[j * dp + rank].unsqueeze(0)
             opt.start_micro_batch(last=j == micro - 1)
@@ -194,8 +204,12 @@ def train_tp(steps: int, micro: int, tp: int, count: bool = False) -> dict[str, 
             total += loss.detach().double()
         dist.all_reduce(total, group=pstate.dp_group)
         opt.step()
-        COUNTS.enabled = False
+        COUNTS.enabled = COMM_STATS.enabled = False
+        if step == 2:
+            tp_calls = COMM_STATS.calls.get("all_reduce", 0)
+            step_events = list(events)
         losses.append(float(total) / (dp * micro))
         if count and step == 2:
             by_axis = _by_axis(pstate)
-    return {"losses": losses, "by_axis": by_axis, "params": sum(p.numel() for p in model.parameters())}
+    return {"losses": losses, "by_axis": by_axis, "params": sum(p.numel() for p in model.parameters()),
+            "tp_all_reduces": tp_calls, "deferred": len(deferred), "events": step_events}

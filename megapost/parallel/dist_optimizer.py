@@ -16,6 +16,9 @@ Per optimizer step:
 
 Per rank per step on a ring of ``n`` ranks with P parameters: (n-1)/n * P * (4 or 2) bytes reduce-scattered
 and (n-1)/n * P * (2 bf16, 4 fp32) gathered (megapost.parallel.reduce_bytes.dist_optimizer_bytes).
+``partial_sums`` (group, parameters): gradients that are partial sums over ``group`` (sequence-parallel
+norm gains, megapost.parallel.layers.defer_sequence_parallel_reduction) are summed there once per step,
+all of this rank's slices in one all-reduce after the reduce-scatter (the two sums commute).
 ``trace`` (a callable) records the issue order of collectives for tests/test_dist_optimizer.py.
 """
 
@@ -100,6 +103,7 @@ class DistributedOptimizer:
                  group: Any = None, *, reduce_dtype: torch.dtype = torch.float32,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, clip_grad: float = 0.0,
                  norm_groups: Iterable[Any] = (), norm_weight: Callable[[nn.Parameter], float] | None = None,
+                 partial_sums: tuple[Any, Sequence[nn.Parameter]] | None = None,
                  trace: Callable[[str], None] | None = None) -> None:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -116,6 +120,14 @@ class DistributedOptimizer:
         self._norm_weight = [self._flat(b, [torch.full((p.numel(),), weight(p)) for p in b.params])[b.lo:b.hi]
                              for b in self.buckets]
         self.optimizer = make_optimizer([b.master for b in self.buckets])
+        self._partial_group, self._partial = None, []
+        if partial_sums is not None:
+            self._partial_group, wanted = partial_sums[0], {id(p) for p in partial_sums[1]}
+            for b in self.buckets:
+                for p, off in zip(b.params, b.layout.offsets, strict=True):
+                    lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+                    if id(p) in wanted and lo < hi:
+                        self._partial.append((b, lo - b.lo, hi - b.lo))
         for b in self.buckets:
             for p in b.params:
                 b.hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -172,6 +184,15 @@ class DistributedOptimizer:
         for b in self.buckets:
             b.reduce.wait()
             b.reduce, b.ready = None, 0
+        if self._partial:  # the same slices on every rank of the group: identical bucket layouts
+            self.trace("partial_sums")
+            flat = torch.cat([b.grad_shard[s:e].float() for b, s, e in self._partial])
+            dist.all_reduce(flat, group=self._partial_group)
+            i = 0
+            for b, s, e in self._partial:
+                b.grad_shard[s:e].copy_(flat[i:i + e - s])
+                i += e - s
+        for b in self.buckets:
             b.master.grad = b.grad_shard.float().div_(self.size)
 
     # ------------------------------------------------------------------ the step
