@@ -163,7 +163,8 @@ def count_step(micro_batches: list[int], bf16: bool, model: dict[str, Any] | Non
     return out
 
 
-def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool = False) -> dict[str, Any]:
+def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool = False,
+             clip: float = 0.0) -> dict[str, Any]:
     """``steps`` steps of megapost's tensor-parallel model (TP ``tp`` + SP, no DeepSpeed engine) with the
     distributed optimizer over the data-parallel group, the norm also over the TP group (replicated
     parameters counted once); losses, the tensor-parallel all-reduces of step 2 (megapost's own
@@ -182,7 +183,7 @@ def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool =
     events: list[str] = []
     opt = DistributedOptimizer(
         list(model.parameters()), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
-        pstate.dp_group, bucket_numel=BUCKET, norm_groups=[pstate.tp_group],
+        pstate.dp_group, bucket_numel=BUCKET, norm_groups=[pstate.tp_group], clip_grad=clip,
         norm_weight=lambda p: 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp,
         partial_sums=(pstate.tp_group, deferred) if defer else None, trace=events.append)
     opt.install_forward_hooks(model.modules())

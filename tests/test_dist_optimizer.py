@@ -102,12 +102,13 @@ def test_bytes_per_step_are_one_reduce_scatter_and_one_gather() -> None:
 @pytest.mark.slow
 def test_with_tensor_and_sequence_parallelism() -> None:
     """TP 2 + SP x DP 2 (megapost's parallel model, 4 gloo ranks) against DP 1 x 2 micro-batches of the
-    plain model: losses within 1e-5 relative (TP sums the vocabulary and row-parallel products in
-    another order); the data-parallel group moves 0.5 * 8 B per local parameter per step (fp32)."""
+    plain model, both clipped at 0.05 (the global norm: the TP shards summed, replicated parameters
+    once): losses within 1e-5 relative (TP sums the vocabulary and row-parallel products in another
+    order); the data-parallel group moves 0.5 * 8 B per local parameter per step (fp32)."""
     from comm_count import install
 
-    ranks = run_ranks(train_tp, 4, 4, 1, 2, True, setup=install)
-    dp1 = run_ranks(train, 1, 4, 2)[0]["losses"]
+    ranks = run_ranks(train_tp, 4, 4, 1, 2, True, False, 0.05, setup=install)
+    dp1 = run_ranks(train, 1, 4, 2, False, 0.05)[0]["losses"]
     for r in ranks:
         assert max(abs(a - b) / b for a, b in zip(r["losses"], dp1, strict=True)) < 1e-5, (r["losses"], dp1)
         assert abs(r["by_axis"]["dp"] / (0.5 * 8 * r["params"]) - 1) < 0.01, r
