@@ -108,7 +108,7 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     from megapost.ds_adapter.overlap import installed
     from megapost.parallel.state import get_parallel_state
 
-    engine = trainer.engine
+    engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine
     overlap = installed(engine)
     losses = history["train_loss"]
     return {"by_axis": _by_axis(get_parallel_state()),

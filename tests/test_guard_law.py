@@ -13,8 +13,8 @@ from test_collapse_guard import _guard, _records, _run, _split_at_rollback
 
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
-from megapost.plan.collapse_law import FACTORS, Branch, Form, Law, save_law
 from megapost.plugin_api import Flags
+from megapost.study.boundary_law import FACTORS, Branch, Form, Law, save_law
 
 SIGMA = 0.2
 COV = 1e-4  # diagonal
@@ -31,6 +31,7 @@ def _law_file(tmp_path, lr_star: float, placement: str = "post"):
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_law_remedy_rewarms_to_the_predicted_safe_peak(tiny_data, tmp_path):
     """12 x 32 at lr 0.1 without warmup collapses; with a law whose lr* is 0.01 the rollback re-warms to

@@ -25,6 +25,7 @@ def _study(tiny_data, runs, parts):
     return proc.stdout
 
 
+@pytest.mark.integration
 def test_scaling_study_script_smoke(tiny_data, tmp_path):
     """The outcomes and autopsy parts at tiny sizes on another corpus: the sweep runs both variants over
     the seeds at the delayed settings with SIZE_FLAGS applied; one seed has no pair to dissect."""
@@ -40,6 +41,7 @@ def test_scaling_study_script_smoke(tiny_data, tmp_path):
     assert "| post | 4 | 0.03 | 200 | 1 |" in (runs / "outcomes" / "cells.md").read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_scaling_study_guard_part(tiny_data, tmp_path):
     """The guard part at tiny sizes: both remedies on both settings, and the rescue tables counted
@@ -109,7 +111,7 @@ def test_boundary_from_the_law_with_adaptive_seeds_on_one_point(tmp_path, monkey
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import collapse_boundary
 
-    law = REPO / "megapost" / "plan" / "collapse_boundary_post.json"
+    law = REPO / "study" / "results" / "grid_w20" / "boundary.json"
     fit = json.loads(law.read_text())["fit"]
     star = math.exp(fit["log_a"] + fit["b_width"] * math.log(64) + fit["c_depth"] * math.log(4))
     ran = []
