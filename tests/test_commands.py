@@ -32,6 +32,7 @@ def test_the_user_commands_are_declared() -> None:
 
 
 @pytest.mark.parametrize("command", sorted(console_scripts()))
+@pytest.mark.integration
 def test_command_answers_help(command: str) -> None:
     path = BIN / command
     assert path.is_file(), f"{command} is not installed beside {sys.executable}: pip install -e . again"
@@ -39,6 +40,7 @@ def test_command_answers_help(command: str) -> None:
     assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "none.json"
     proc = _run([str(BIN / "megapost-preprocess"), "--input", str(missing), "--output-prefix",
@@ -49,6 +51,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert f"--load {tmp_path}: no 'latest'" in proc.stderr
 
 
+@pytest.mark.integration
 def test_old_tool_paths_run_the_same_commands() -> None:
     for script, usage in (("preprocess_data", "--input PATH_OR_GLOB"), ("train_tokenizer", "--vocab-size"),
                           ("convert_to_hf", "--load LOAD")):
