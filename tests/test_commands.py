@@ -31,6 +31,7 @@ def test_the_user_commands_are_declared() -> None:
             "megapost-export-hf", "megapost-sweep"} <= set(console_scripts())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", sorted(console_scripts()))
 @pytest.mark.integration
 def test_command_answers_help(command: str) -> None:
