@@ -60,6 +60,14 @@ def test_old_tool_paths_run_the_same_commands() -> None:
         assert proc.returncode == 0 and usage in proc.stdout, (script, proc.stderr[-1000:])
 
 
+def test_every_doc_is_indexed() -> None:
+    """docs/README.md names every page of docs/."""
+    index = (REPO / "docs/README.md").read_text()
+    pages = [p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md"]
+    missing = [name for name in pages if f"`{name}`" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"
+
+
 def test_every_tool_and_benchmark_is_indexed() -> None:
     """tools/README.md and benchmarks/README.md name every script of their folder."""
     for folder in ("tools", "benchmarks"):
