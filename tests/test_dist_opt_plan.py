@@ -48,3 +48,23 @@ def test_candidates_offer_it_only_when_asked() -> None:
     ours = [c for c in dist if c.layout.distributed_optimizer]
     assert ours and all(c.layout.zero_stage == 1 and c.layout.dp > 1 for c in ours)
     assert "DistOpt" in ours[0].layout.label()
+
+
+def test_cli_prices_the_flag_as_what_the_trainer_runs(capsys) -> None:
+    """``--use-distributed-optimizer`` still runs DeepSpeed's ZeRO-1 in the trainer (megatron_flags), so the
+    CLI prices exactly what ``--zero-stage 1`` prices, and its note says the new optimizer is not wired."""
+    import json
+
+    from megapost.plan.__main__ import main as plan_main
+
+    def plan(*flags: str) -> dict:
+        plan_main(["--preset", "llama-7b", "--gpus", "64", *flags, "--json"])
+        return json.loads(capsys.readouterr().out)
+
+    ours, zero1 = plan("--use-distributed-optimizer"), plan("--zero-stage", "1")
+    assert ours["recommended"] == zero1["recommended"] and ours["fitting"] == zero1["fitting"]
+    assert {r["layout"]["zero_stage"] for r in ours["fitting"]} == {1}
+    assert not any(r["layout"]["distributed_optimizer"] for r in ours["fitting"] + ours["not_fitting"])
+    assert any("built, not yet the trainer's" in n for n in ours["notes"]) and not zero1["notes"]
+    plan_main(["--preset", "llama-7b", "--gpus", "64", "--use-distributed-optimizer"])
+    assert "DeepSpeed ZeRO-1" in capsys.readouterr().out

@@ -158,7 +158,7 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
     with errors:
         notes += _apply_recompute(args)
     with errors:
-        notes += _apply_distributed_optimizer(args)
+        notes += apply_distributed_optimizer(args)
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         errors.add(_refuse("--tokenizer-type NullTokenizer", "needs --vocab-size N"))
     if args.num_workers:
@@ -201,7 +201,9 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
     return out
 
 
-def _apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:
+def apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:
+    """What ``--use-distributed-optimizer`` runs today: DeepSpeed's ZeRO stage 1 unless --zero-stage is
+    typed (megapost.parallel.dist_optimizer is built but not yet the trainer's; the planner reads this)."""
     if not args.use_distributed_optimizer:
         return []
     if "zero_stage" in args.explicit and args.zero_stage == 0:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from megapost.config.arguments import build_parser, parse_with_preset
 from megapost.config.errors import ConfigError
+from megapost.config.megatron_flags import apply_distributed_optimizer
 from megapost.config.megatron_habits import resolve_norm_position
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
@@ -34,6 +35,10 @@ SPEED_FLAGS = (  # the speed model's Cluster fields a flag sets (megapost/plan/t
     ("inter_node_gbs", float, "GB/s per GPU between nodes (the network)"),
 )
 TIE = 0.005  # layouts predicted within 0.5 % of the fastest are reported as tied
+DIST_OPT_NOTE = ("--use-distributed-optimizer: priced as what the trainer runs under it, DeepSpeed ZeRO-1; "
+                 "megapost's own distributed optimizer (megapost/parallel/dist_optimizer.py: one "
+                 "reduce-scatter and an overlapped gather, ~0.6x the bytes in bf16) is built, not yet the "
+                 "trainer's (docs/multi-gpu.md)")
 
 
 DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
@@ -68,6 +73,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = parse_with_preset(_parser(), argv)
     args.fp32 = "bf16" in args.explicit and not args.bf16  # --no-bf16 / --fp32 (the trainer's flag)
     resolve_norm_position(args, argv)  # the trainer's default: Pre-Norm for Megatron model flags
+    if apply_distributed_optimizer(args):  # the trainer's ZeRO stage for it: a layout constraint
+        args.explicit.add("zero_stage")
     if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
     if args.mfu_half_tokens < 0 or args.intra_node_gbs <= 0 or args.inter_node_gbs <= 0:
@@ -137,7 +144,6 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, memory_bytes=args.gpu_memory_gb * GiB,
                        cluster=cluster, margin=args.memory_margin, clip_grad=args.clip_grad,
                        reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
-                       distributed_optimizer=bool(args.use_distributed_optimizer),
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
     cands = [c for c in cands if _allowed(c.layout, args)]
@@ -170,6 +176,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
                                        run_factors(args, cfg), args.lr),
         "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
+        "notes": [DIST_OPT_NOTE] if args.use_distributed_optimizer else [],
     }
 
 
@@ -211,6 +218,7 @@ def render(result: dict, top: int) -> str:
     if result["async_save_host_gb_per_node"] is not None:
         lines.append(f"--async-save holds {result['async_save_host_gb_per_node']:.1f} GiB of host memory per "
                      "node (pinned; fp32 master + Adam moments of each rank's shard, one buffer per rank)")
+    lines += result["notes"]
     lines.append(result["collapse_risk"]["line"])
     lines.append(result["delayed_collapse"]["line"])
     return "\n".join(lines)

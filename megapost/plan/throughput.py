@@ -16,9 +16,10 @@ dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/s
   ZeRO-1: DeepSpeed's ``overlap_comm``; bf16 ZeRO-1: megapost.ds_adapter.overlap; not under a
   pipeline): only what exceeds the backward it overlaps (every micro-batch's at ZeRO-2, the last
   one's at ZeRO-1) shows, plus the weight all-gather after the step; the ZeRO-0 reduction runs after
-  backward, all of it exposed. megapost's distributed optimizer (``--use-distributed-optimizer``,
-  megapost.parallel.dist_optimizer, also under a pipeline) shows only its reduce-scatter beyond the
-  last micro-batch's backward and its weight gather beyond the next step's first micro-batch forward.
+  backward, all of it exposed. megapost's distributed optimizer (megapost.parallel.dist_optimizer,
+  a ``Layout`` flag; built, not yet the trainer's, so the CLI prices ``--use-distributed-optimizer`` as
+  ZeRO-1) shows only its reduce-scatter beyond the last micro-batch's backward and its weight gather
+  beyond the next step's first micro-batch forward.
 """
 
 from __future__ import annotations
