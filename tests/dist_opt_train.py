@@ -26,15 +26,26 @@ def samples(step: int, count: int) -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (count, MODEL["seq_length"] + 1), generator=g)
 
 
+def decay_groups(groups: list[list[Any]]) -> list[dict[str, Any]]:
+    """Megatron's (and megapost.optim.optimizer's) groups: weight decay 0.1, none on 1-D parameters."""
+    return [{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}]
+
+
+def _no_decay(p: torch.nn.Parameter) -> int:
+    return int(p.dim() < 2)
+
+
 def build(bf16: bool = False, group: Any = None, bucket: int = BUCKET, clip: float = 0.0, trace: Any = None,
-          reduce_dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, DistributedOptimizer]:
+          reduce_dtype: torch.dtype = torch.float32, groups: bool = False
+          ) -> tuple[LlamaModel, DistributedOptimizer]:
     model = LlamaModel(tiny_config(**{**MODEL, **MODEL_NOW}))
     if bf16:
         model = model.bfloat16()
     opt = DistributedOptimizer(list(model.parameters()),
-                               lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+                               lambda ps: torch.optim.AdamW(decay_groups(ps) if groups else ps, lr=1e-2,
+                                                            weight_decay=0.1, foreach=False),
                                group, bucket_numel=bucket, clip_grad=clip, trace=trace,
-                               reduce_dtype=reduce_dtype)
+                               reduce_dtype=reduce_dtype, group_of=_no_decay if groups else None)
     opt.install_forward_hooks(model.modules())
     return model, opt
 
@@ -68,25 +79,32 @@ def run_step(model: LlamaModel, opt: DistributedOptimizer, step: int, micro: int
 
 
 def train(steps: int, micro: int, bf16: bool = False, clip: float = 0.0, bucket: int = BUCKET,
-          poison_step: int = 0, reduce_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Losses and the final weights of ``steps`` steps on this rank's data-parallel world."""
+          poison_step: int = 0, reduce_dtype: torch.dtype = torch.float32, groups: bool = False
+          ) -> dict[str, Any]:
+    """Losses and the final weights of ``steps`` steps on this rank's data-parallel world (``groups``: no
+    weight decay on 1-D parameters), with the layout-free Adam moments."""
     torch.manual_seed(0)
-    model, opt = build(bf16, bucket=bucket, clip=clip, reduce_dtype=reduce_dtype)
+    model, opt = build(bf16, bucket=bucket, clip=clip, reduce_dtype=reduce_dtype, groups=groups)
     losses, skipped = [], []
     for s in range(1, steps + 1):
         losses.append(run_step(model, opt, s, micro, poison=s == poison_step))
         skipped.append(bool(opt.skipped))
     opt.finish_param_sync()
     return {"losses": losses, "skipped": skipped, "params": {k: v.detach().float().clone()
-                                                        for k, v in model.state_dict().items()}}
+                                                        for k, v in model.state_dict().items()},
+            "exp_avg": opt.full_state()["exp_avg"]}
 
 
-def train_plain(steps: int, micro: int) -> dict[str, Any]:
+def train_plain(steps: int, micro: int, groups: bool = False) -> dict[str, Any]:
     """The fp32 reference without megapost: one process, torch's AdamW on the model's parameters,
-    ``micro`` micro-batches of one row per step, gradients accumulated in ``.grad``."""
+    ``micro`` micro-batches of one row per step, gradients accumulated in ``.grad`` (``groups``: no
+    weight decay on 1-D parameters)."""
     torch.manual_seed(0)
     model = LlamaModel(tiny_config(**MODEL))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    params = list(model.parameters())
+    split = [[p for p in params if not _no_decay(p)], [p for p in params if _no_decay(p)]]
+    opt = torch.optim.AdamW(decay_groups(split) if groups else params, lr=1e-2, weight_decay=0.1,
+                            foreach=False)
     losses = []
     for step in range(1, steps + 1):
         total = 0.0
@@ -98,7 +116,8 @@ def train_plain(steps: int, micro: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / micro)
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "exp_avg": [opt.state[p]["exp_avg"].clone() for p in params]}
 
 
 def reshard(steps: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_opt_train import count_step, reshard, trace_step, train, train_plain, train_tp
+from dist_opt_train import BUCKET, count_step, reshard, trace_step, train, train_plain, train_tp
 from dist_utils import run_ranks
 
 from megapost.parallel.dist_optimizer import BucketLayout, bucket_layouts
@@ -124,3 +124,18 @@ def test_sequence_parallel_gains_summed_once_per_step() -> None:
     assert once["deferred"] > 0 and once["events"].count("partial_sums") == 1
     assert hooks["tp_all_reduces"] - once["tp_all_reduces"] == 2 * once["deferred"], (hooks, once)
     assert max(abs(a - b) / b for a, b in zip(once["losses"], hooks["losses"], strict=True)) < 1e-6
+
+
+@pytest.mark.slow
+def test_weight_decay_groups_match_torch_adamw_bit_for_bit() -> None:
+    """``group_of``: no weight decay on 1-D parameters (megapost.optim.optimizer's groups). The shards cut
+    into one parameter per run of a group; DP 2 equals torch's AdamW with the two groups on the whole
+    model at DP 1, losses, weights and the layout-free first moments bit for bit, and differs from the
+    run that decays everything (so the groups act)."""
+    dp2 = run_ranks(train, 2, 4, 1, False, 0.0, BUCKET, 0, torch.float32, True)
+    plain = run_ranks(train_plain, 1, 4, 2, True)[0]
+    decay_all = run_ranks(train_plain, 1, 4, 2)[0]
+    assert dp2[0]["losses"] == dp2[1]["losses"] == plain["losses"] != decay_all["losses"]
+    for k, v in plain["params"].items():
+        assert torch.equal(dp2[0]["params"][k], v) and torch.equal(dp2[1]["params"][k], v), k
+    assert all(torch.equal(a, b) for a, b in zip(dp2[0]["exp_avg"], plain["exp_avg"], strict=True))

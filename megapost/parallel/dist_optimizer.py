@@ -20,6 +20,8 @@ and (n-1)/n * P * (2 bf16, 4 fp32) gathered (megapost.parallel.reduce_bytes.dist
 norm gains, megapost.parallel.layers.defer_sequence_parallel_reduction) are summed there once per step,
 all of this rank's slices in one all-reduce after the reduce-scatter (the two sums commute).
 ``trace`` (a callable) records the issue order of collectives for tests/test_dist_optimizer.py.
+``group_of`` (parameter -> optimizer param-group index, e.g. Megatron's no weight decay on 1-D gains):
+each shard is then cut into runs of one group, each run a parameter of that group, views of the shard.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class _Bucket:
     params: list[nn.Parameter]
     param_buf: torch.Tensor  # model dtype; the parameters are views of it
     grad_buf: torch.Tensor  # fp32 accumulator of every micro-batch's gradients
-    master: nn.Parameter  # fp32 shard of the weights, stepped by the optimizer
+    master: torch.Tensor  # fp32 shard of the weights, stepped by the optimizer through ``segments``
     grad_shard: torch.Tensor  # reduce-scatter output (reduce dtype)
     lo: int = 0
     hi: int = 0
@@ -81,6 +83,8 @@ class _Bucket:
     gather: Any = None  # async all-gather handle
     gather_due: bool = False  # updated weights not yet gathered
     hooks: list[Any] = field(default_factory=list)
+    segments: list[tuple[int, nn.Parameter]] = field(default_factory=list)  # (group, view of master)
+    grad: torch.Tensor | None = None  # the averaged fp32 gradient of the shard, between sync and step
 
 
 def _collective(name: str) -> Callable[..., Any]:
@@ -97,14 +101,16 @@ def _collective(name: str) -> Callable[..., Any]:
 
 class DistributedOptimizer:
     """The distributed optimizer of the module docstring for ``params`` (forward order) of ``modules``
-    on ``group``; ``make_optimizer`` builds the torch optimizer over the fp32 shard parameters."""
+    on ``group``; ``make_optimizer`` builds the torch optimizer over the fp32 shard parameters (a list; with
+    ``group_of``, one list per param group)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], make_optimizer: Callable[[list[nn.Parameter]], Any],
+    def __init__(self, params: Sequence[nn.Parameter], make_optimizer: Callable[[list[Any]], Any],
                  group: Any = None, *, reduce_dtype: torch.dtype = torch.float32,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, clip_grad: float = 0.0,
                  norm_groups: Iterable[Any] = (), norm_weight: Callable[[nn.Parameter], float] | None = None,
                  partial_sums: tuple[Any, Sequence[nn.Parameter]] | None = None,
-                 trace: Callable[[str], None] | None = None) -> None:
+                 trace: Callable[[str], None] | None = None,
+                 group_of: Callable[[nn.Parameter], int] | None = None) -> None:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.reduce_dtype, self.clip_grad = reduce_dtype, clip_grad
@@ -119,7 +125,12 @@ class DistributedOptimizer:
         weight = norm_weight or (lambda _p: 1.0)
         self._norm_weight = [self._flat(b, [torch.full((p.numel(),), weight(p)) for p in b.params])[b.lo:b.hi]
                              for b in self.buckets]
-        self.optimizer = make_optimizer([b.master for b in self.buckets])
+        for b in self.buckets:
+            b.segments = _segments(b, group_of)
+        segs = [seg for b in self.buckets for seg in b.segments]
+        groups = 1 + max(g for g, _ in segs)
+        self.optimizer = make_optimizer([p for _g, p in segs] if group_of is None else
+                                        [[p for g, p in segs if g == i] for i in range(groups)])
         self._partial_group, self._partial = None, []
         if partial_sums is not None:
             self._partial_group, wanted = partial_sums[0], {id(p) for p in partial_sums[1]}
@@ -142,7 +153,7 @@ class DistributedOptimizer:
             p.data = param_buf[off:off + p.numel()].view_as(p)
         lo, hi = lay.shard(self.rank, self.size)
         grad_buf = torch.zeros(lay.numel, dtype=torch.float32, device=param_buf.device)
-        master = nn.Parameter(param_buf[lo:hi].detach().float().clone())
+        master = param_buf[lo:hi].detach().float().clone()
         grad_shard = torch.zeros(hi - lo, dtype=self.reduce_dtype, device=param_buf.device)
         return _Bucket(lay, params, param_buf, grad_buf, master, grad_shard, lo, hi)
 
@@ -193,12 +204,14 @@ class DistributedOptimizer:
                 b.grad_shard[s:e].copy_(flat[i:i + e - s])
                 i += e - s
         for b in self.buckets:
-            b.master.grad = b.grad_shard.float().div_(self.size)
+            b.grad = b.grad_shard.float().div_(self.size)
+            for _g, seg in b.segments:
+                seg.grad = b.grad[seg_slice(b, seg)]
 
     # ------------------------------------------------------------------ the step
 
     def _global_norm(self) -> torch.Tensor:
-        sq = sum(((b.master.grad.double() ** 2) * w).sum() for b, w in zip(self.buckets, self._norm_weight,
+        sq = sum(((b.grad.double() ** 2) * w).sum() for b, w in zip(self.buckets, self._norm_weight,
                                                                           strict=True))
         sq = torch.as_tensor(sq, dtype=torch.float64)
         for g in [self.group, *self.norm_groups]:
@@ -215,13 +228,15 @@ class DistributedOptimizer:
             if self.clip_grad > 0:
                 coef = torch.clamp(self.clip_grad / (self.grad_norm + 1e-6), max=1.0)
                 for b in self.buckets:
-                    b.master.grad.mul_(coef)
+                    b.grad.mul_(coef)
             self.optimizer.step()
             for b in self.buckets:
                 b.param_buf[b.lo:b.hi].copy_(b.master.detach())
                 b.gather_due = True
         for b in self.buckets:
-            b.master.grad = None
+            b.grad = None
+            for _g, seg in b.segments:
+                seg.grad = None
             b.grad_buf.zero_()
         if self.buckets[0].gather_due:
             self._dispatch_gather(0)
@@ -283,12 +298,14 @@ class DistributedOptimizer:
         """Layout-free fp32 master weights and optimizer state, one tensor per parameter (forward order),
         the same on every rank, plus the optimizer's scalars ("scalars": its step count): what a
         checkpoint stores, loadable at any data-parallel size and bucket size."""
-        first = self.optimizer.state.get(self.buckets[0].master, {})
+        seg0 = self.buckets[0].segments[0][1]
+        first = self.optimizer.state.get(seg0, {})
         state: dict[str, Any] = {"master": self._gather_full(lambda b: b.master)}
         state["scalars"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()
-                            if not (torch.is_tensor(v) and v.numel() == self.buckets[0].master.numel())}
+                            if not (torch.is_tensor(v) and v.shape == seg0.shape)}
         for k in (k for k in first if k not in state["scalars"]):
-            state[k] = self._gather_full(lambda b, k=k: self.optimizer.state[b.master][k])
+            state[k] = self._gather_full(lambda b, k=k: torch.cat([self.optimizer.state[p][k]
+                                                                   for _g, p in b.segments]))
         return state
 
     def load_full_state(self, state: dict[str, Any]) -> None:
@@ -301,6 +318,36 @@ class DistributedOptimizer:
                 b.master.copy_(shard(b, state["master"]))
                 for p, t in zip(b.params, state["master"][b.layout.first:b.layout.last + 1], strict=True):
                     p.copy_(t.view_as(p))
-                slot = self.optimizer.state[b.master]
-                slot.update({k: v.clone() if torch.is_tensor(v) else v for k, v in state["scalars"].items()})
-                slot.update({k: shard(b, v) for k, v in state.items() if k not in ("master", "scalars")})
+                tensors = {k: shard(b, v) for k, v in state.items() if k not in ("master", "scalars")}
+                for _g, seg in b.segments:
+                    slot = self.optimizer.state[seg]
+                    slot.update({k: v.clone() if torch.is_tensor(v) else v
+                                 for k, v in state["scalars"].items()})
+                    slot.update({k: v[seg_slice(b, seg)].clone() for k, v in tensors.items()})
+
+
+def seg_slice(b: _Bucket, seg: torch.Tensor) -> slice:
+    """Where the view ``seg`` lies in ``b.master``."""
+    start = seg.storage_offset() - b.master.storage_offset()
+    return slice(start, start + seg.numel())
+
+
+def _segments(b: _Bucket, group_of: Callable[[nn.Parameter], int] | None) -> list[tuple[int, nn.Parameter]]:
+    """The shard as one parameter (no ``group_of``), or as runs of one param group each (the padding
+    after the last parameter joins the run before it), each a view of ``b.master``."""
+    if group_of is None:
+        return [(0, nn.Parameter(b.master))]
+    runs: list[list[int]] = []  # [group, start, end] in shard coordinates
+    for p, off in zip(b.params, b.layout.offsets, strict=True):
+        lo, hi = max(off, b.lo) - b.lo, min(off + p.numel(), b.hi) - b.lo
+        if lo >= hi:
+            continue
+        g = group_of(p)
+        if runs and runs[-1][0] == g:
+            runs[-1][2] = hi
+        else:
+            runs.append([g, lo, hi])
+    if not runs:  # a shard of padding only
+        return [(0, nn.Parameter(b.master))]
+    runs[-1][2] = b.hi - b.lo  # parameters are packed without gaps: the runs tile the shard
+    return [(g, nn.Parameter(b.master[lo:hi])) for g, lo, hi in runs]
