@@ -62,14 +62,20 @@ def run_case(b: argparse.Namespace) -> dict[str, Any]:
         trainer, _, _ = build_trainer(b, flags, plugins, tb)
         wants = (lambda s: trainer.plugins[0].wants_step(s)) if plugins else (lambda s: False)
         step = 0
+        def train(step: int) -> None:
+            float(trainer.train_step(step))  # the step's end on the device (a no-op wait on CPU)
+            if plugins:  # the measurement's read-back and records (the loop's next after_iteration), charged
+                trainer.plugins[0].read_pending()  # to the measured step; a quiet step has nothing pending
+            trainer.host.after_iteration(step)
+
         for _ in range(b.warmup):
             step += 1
-            float(trainer.train_step(step))
+            train(step)
         times: list[tuple[int, bool, float, float]] = []
         for _ in range(b.steps):
             step += 1
             start, cpu = time.perf_counter(), time.process_time()
-            float(trainer.train_step(step))  # the step's end on the device (a no-op wait on CPU)
+            train(step)
             times.append((step, wants(step), time.perf_counter() - start, time.process_time() - cpu))
         counts = {}
         for kind in ("quiet", "measured") if plugins else ("quiet",):
@@ -77,7 +83,7 @@ def run_case(b: argparse.Namespace) -> dict[str, Any]:
             if wants(step) != (kind == "measured"):
                 step += 1
             with OpCount() as c:
-                trainer.train_step(step)
+                train(step)
             counts[kind] = c.total
         trainer.close()
     return {"case": b.case, "steps": times, "ops": counts}

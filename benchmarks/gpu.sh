@@ -4,24 +4,27 @@
 # missing -- torch (the CUDA build from the package index), DeepSpeed and the rest (or from wheels/
 # when offline: `bash benchmarks/gpu.sh --build-wheels` on a networked machine), megapost itself
 # (`pip install -e .` of this clone, which registers the collapse_metrics plugin) -- then runs
-# benchmarks/gpu_suite.py: paper-180m bf16 eager and --compile (tokens/s, MFU, peak memory vs the
-# planner), 1.3B- and 7B-width slices (seq 4096, GQA 8, with/without activation checkpointing), the
-# collapse_metrics overhead at intervals 1 and 10, a host-sync audit, the top kernels by self time, the
-# bare-PyTorch step and --async-save. Each case runs on its own: a failing case is a row with its error,
-# the JSON (gpu_suite.json) is rewritten after every case, and a case that kills the process is recorded
-# and the suite restarted after it. About 5 min on one H200.
+# benchmarks/gpu_suite.py, every case in a fresh process: paper-180m bf16 eager, --compile and CUDA-graphed
+# at micro 4 x 8 and at the planner's recommended micro-batch (per-step times, tokens/s, MFU, kernels per
+# step, device-busy fraction, peak memory vs the planner), the collapse_metrics overhead at intervals 1
+# and 10, the real command (examples/pretrain_postnorm.sh) against the benchmark, the Hugging Face Llama
+# peer, 1.3B- and 7B-width slices (with/without activation checkpointing), a host-sync audit, the top
+# kernels and --async-save. A failing case is a row with its error; the JSON (gpu_suite.json) is
+# rewritten after every case; no case starts past --budget-s (default 420 s, so the whole script fits
+# 8 minutes on one H200 with its set-up; the JSON records the suite's own wall time, suite_wall_s).
 #
-#   bash benchmarks/gpu.sh [--steps 20] [--peak-tflops 989] [--out gpu_suite.json] [--venv DIR]
+#   bash benchmarks/gpu.sh [--steps 10] [--budget-s 420] [--peak-tflops 989] [--out gpu_suite.json] [--venv DIR]
 #   bash benchmarks/gpu.sh --dry-run        # the whole script on CPU with tiny shapes (CI); CPU torch
 #   bash benchmarks/gpu.sh --print-python   # the interpreter it would use (creating .venv-gpu if needed)
 #   bash benchmarks/gpu.sh --build-wheels [--python-version 3.11]
 # Environment: PYTHON (the interpreter to start from), TORCH (the torch requirement to install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=20 PEAK=0 OUT=gpu_suite.json DRY=0 WHICH=0 BUILD=0 PYVER="" VENV=.venv-gpu SUITE_ARGS=()
+STEPS=10 BUDGET=420 PEAK=0 OUT=gpu_suite.json DRY=0 WHICH=0 BUILD=0 PYVER="" VENV=.venv-gpu SUITE_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
+    --budget-s) BUDGET=$2; shift 2 ;;
     --peak-tflops) PEAK=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --venv) VENV=$2; shift 2 ;;
@@ -138,7 +141,7 @@ if [ "$DRY" = 1 ]; then
   SUITE_ARGS+=(--dry-run)
 else
   export DS_ACCELERATOR=cuda
-  SUITE_ARGS+=(--steps "$STEPS" --peak-tflops "$PEAK")
+  SUITE_ARGS+=(--steps "$STEPS" --peak-tflops "$PEAK" --budget-s "$BUDGET")
 fi
 rm -f "$OUT"
 for attempt in 1 2 3 4 5 6 7 8 9 10; do
