@@ -1,9 +1,12 @@
 # The two quick-start commands; each one installs (quick and harmless when already installed) and runs.
 #   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
-#   make test               ruff check . && lint-imports && python -m pytest -q   (what .ci/run runs)
+#   make test               ruff check . && lint-imports && python -m pytest -q   (the unit tier; CI runs it first)
+#   make test-integration   the tests that start processes, ranks or trainer runs (CI runs it second)
+#   make test-slow          the long multi-rank runs (on demand, not in CI); tiers: docs/testing.md
+#   make golden             three real runs compared value for value with benchmarks/golden/golden.json
 # Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
 #   ARGS="--train-iters 1000" (flags for the example); LAUNCHER="--master_port 29600" (flags for the
-#   deepspeed launcher, e.g. another port or --num_gpus 2); PYTEST_ARGS="-m slow".
+#   deepspeed launcher, e.g. another port or --num_gpus 2); PYTEST_ARGS="-k resume" (added to pytest).
 PYTHON ?= python
 TORCH ?= torch==2.13.0
 ARGS ?=
@@ -12,7 +15,7 @@ PYTEST_ARGS ?=
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megapost/torch_extensions
 
-.PHONY: install train test
+.PHONY: install train test test-integration test-slow golden
 
 install:
 ifneq ($(strip $(TORCH)),)
@@ -28,3 +31,12 @@ test: install
 	ruff check .
 	lint-imports --no-cache  # the import layering of pyproject.toml [tool.importlinter]
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+test-integration: install
+	$(PYTHON) -m pytest -q -m "integration and not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS)
+
+golden: install  # a refactor must reproduce every value bit for bit (~4 min on 2 free cores)
+	$(PYTHON) benchmarks/golden/record.py $${GOLDEN_OUT:-/tmp/megapost-golden.json} --compare benchmarks/golden/golden.json

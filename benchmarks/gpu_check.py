@@ -70,7 +70,7 @@ def nonfinite_skip(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
     trainer.train_step(2)
     hook.remove()
     unchanged = all(torch.equal(b, p.detach()) for b, p in zip(before, params, strict=True))
-    return {"weights_unchanged": unchanged, "engine_skipped_steps": int(trainer.engine.skipped_steps),
+    return {"weights_unchanged": unchanged, "engine_skipped_steps": int(trainer.engine.ds.skipped_steps),
             "verdict": "skipped" if unchanged else "APPLIED a non-finite step (risk confirmed)"}
 
 
@@ -97,8 +97,8 @@ def async_save_touch(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
             trainer.checkpoints.wait()
         finally:
             sharded.Snapshot.take = real_take
-        layout = Layout(tp=1, pp=1, dp=1, zero_stage=trainer.engine.zero_optimization_stage(), micro_batch=1,
-                        grad_accum=1)
+        stage = trainer.engine.ds.zero_optimization_stage()
+        layout = Layout(tp=1, pp=1, dp=1, zero_stage=stage, micro_batch=1, grad_accum=1)
         planned = async_save_host_bytes(cfg, layout)
     rank_device = trainer.device.index if trainer.device.type == "cuda" else None
     return {**seen, "rank_device": rank_device, "host_bytes": saver._POOL.nbytes, "planned_bytes": planned,

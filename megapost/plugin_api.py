@@ -25,10 +25,10 @@ from torch import nn
 from megapost.config.errors import ConfigError
 from megapost.data.gpt_dataset import GPTDataset, split_document_ranges
 from megapost.data.indexed_dataset import IndexedDataset
-from megapost.engine import accessors
 from megapost.model import LlamaModel, ModelConfig, set_listener
 from megapost.model.init import matrix_std
 from megapost.model.rope import apply_rope_tables
+from megapost.optim import accessors
 from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
 from megapost.plan.collapse_law import Law, load_law, run_factors

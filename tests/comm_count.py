@@ -103,7 +103,7 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     trainer, history = train_with_step(argv, train_step)
     from megapost.ds_adapter.overlap import installed
 
-    engine = trainer.engine
+    engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine
     overlap = installed(engine)
     return {"overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
             "payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),

@@ -10,6 +10,8 @@ import sys
 import pytest
 from launch_utils import REPO
 
+pytestmark = pytest.mark.integration  # builds trainers (DeepSpeed engines) in this process
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 SHAPE = argparse.Namespace(layers=2, hidden=32, seq=16, micro=2, accum=2, vocab=128)

@@ -16,6 +16,8 @@ from dist_utils import run_ranks
 from megapost.model import LlamaModel
 from megapost.parallel.collectives import counting_comm
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 STEPS = (1, 2)
 LAYER_FIELDS = ("t_sim_x", "t_sim_y", "t_sim_out", "resid_norm", "rms_factor_mean", "rms_factor_min",
                 "rms_factor_max", "alpha", "c", "grad_norm", "grad_norm_layer", "grad_norm_norms")

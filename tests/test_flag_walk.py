@@ -15,7 +15,7 @@ from megapost.config.arguments import build_parser
 from megapost.config.errors import ConfigError
 from megapost.config.megatron_flags import CHOICES
 from megapost.config.resolved import resolve
-from megapost.engine.ds_config import build_ds_config
+from megapost.optim.ds_config import build_ds_config
 from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Flags, PluginContext, plugin_classes
 from megapost.train.prepare import prepare

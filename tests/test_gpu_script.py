@@ -42,6 +42,7 @@ def fresh_venv(root: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # ~3 min on 2 cores: an editable install and the whole suite at tiny shapes
 def test_gpu_sh_dry_run_from_a_fresh_clone_in_a_fresh_venv(tmp_path) -> None:
     if subprocess.run(["git", "-C", str(REPO), "rev-parse"], capture_output=True).returncode:

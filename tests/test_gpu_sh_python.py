@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_gpu_script import REPO, fresh_venv
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore")]  # runs gpu.sh
 
 
 def image_box(tmp_path: Path) -> dict[str, str]:
@@ -62,7 +62,6 @@ def test_offline_without_a_torch_fails_in_one_line_within_seconds(tmp_path) -> N
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr
 
 
-@pytest.mark.integration
 @pytest.mark.slow  # ~4 min on 2 cores: an editable install and the whole suite at tiny shapes
 def test_dry_run_on_the_rebuilt_box_finishes(tmp_path) -> None:
     env = image_box(tmp_path)

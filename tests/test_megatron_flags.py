@@ -9,7 +9,7 @@ import pytest
 from launch_utils import pretrain, read_scalars
 
 from megapost.config.arguments import parse_args
-from megapost.engine.schedule import lr_at
+from megapost.optim.schedule import lr_at
 
 
 def megatron_llama_flags(data, tb) -> list[str]:
@@ -37,6 +37,7 @@ def megatron_llama_flags(data, tb) -> list[str]:
     ]
 
 
+@pytest.mark.integration
 def test_megatron_llama_launch_line_trains(tiny_data, tmp_path) -> None:
     tb = tmp_path / "tb"
     out = pretrain(megatron_llama_flags(tiny_data, tb))

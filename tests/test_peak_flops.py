@@ -103,6 +103,7 @@ def test_peak_measured_on_a_busy_cpu_is_refused_and_not_cached(monkeypatch, tmp_
     assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.01 and cache_file().exists()
 
 
+@pytest.mark.integration
 def test_other_processes_busy_cores_are_seen() -> None:
     """A spinning child process keeps about one core busy while this one sleeps (/proc/stat)."""
     from megapost.utils.machine import others_busy
@@ -122,6 +123,7 @@ def test_measurement_is_the_best_of_several_runs() -> None:
     assert 0 < tflops < 100
 
 
+@pytest.mark.integration
 def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
     """A peak below what the run achieves (a CPU peak measured on a busy machine) is named, once."""
     from launch_utils import pretrain, tiny_model_flags

@@ -61,6 +61,7 @@ def test_law_quotes_pass_then_an_edited_one_fails() -> None:
     assert len(drifts) == 1 and drifts[0].startswith(f"README.md:4: {int(coverage[1]) + 1} vs "), drifts
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_readme_collapse_risk_line_is_what_the_planner_prints(tmp_path) -> None:
     """The README's own command and (cut) risk line: passes; its lr* edited by 10% fails."""

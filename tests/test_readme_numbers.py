@@ -10,6 +10,8 @@ import sys
 import pytest
 from launch_utils import REPO
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 COMMAND = "python -m megapost.plan --preset paper-180m --gpus 8 --gpu-memory-gb 80"
 
 

@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
 
 
@@ -22,6 +23,7 @@ def raw_steps(tb_dir: Path, tag: str) -> list[int]:
     return steps
 
 
+@pytest.mark.integration
 def test_unnamed_runs_get_their_own_directories(tiny_data, tmp_path) -> None:
     """Two runs started at once, without --run-name: two directories, neither sees the other's files."""
     flags = tiny_model_flags(tiny_data, **{"--train-iters": 2, "--runs-dir": tmp_path})
@@ -39,6 +41,7 @@ def test_unnamed_runs_get_their_own_directories(tiny_data, tmp_path) -> None:
     assert tmp_path / latest.read_text().strip() in runs and not latest.is_symlink()
 
 
+@pytest.mark.integration
 def test_resume_continues_tensorboard_and_jsonl_without_repeats(tiny_data, tmp_path) -> None:
     """A run dies at step 6 after a checkpoint at 4; rerunning the same --run-name resumes at 4 and
     the logs hold each step once, increasing (today's failure: steps 5 repeated)."""

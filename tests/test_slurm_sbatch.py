@@ -16,6 +16,8 @@ import pytest
 from dist_utils import free_port
 from launch_utils import REPO, child_env, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done  # srun's own options
 pids=()

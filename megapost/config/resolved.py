@@ -104,7 +104,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What DeepSpeed's config is generated from (megapost.engine.ds_config, .grad_reduce), as it runs."""
+    """What DeepSpeed's config is generated from (megapost.optim.ds_config, .grad_reduce), as it runs."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -161,7 +161,7 @@ class Config:
 def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, tuple[str, ...]]:
     """(ZeRO stage, overlap, start-up notes) of the gradient reduction: ``--overlap-grad-reduce`` /
     ``--no-overlap-grad-reduce`` as given, by default on when more than one data-parallel rank reduces
-    over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.engine.grad_reduce applies it."""
+    over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.optim.grad_reduce applies it."""
     zero = max(1, a.zero_stage) if a.bf16 else a.zero_stage
     notes: list[str] = []
     if a.grad_reduce_in_bf16:  # Megatron-LM reduces an fp32 parameter's gradient in fp32 whatever it says

@@ -10,7 +10,7 @@ the layer total. Parameters outside the blocks (embedding, ``embedding.scale`` o
 no layer and are not measured here.
 
 Each rank adds only the part of ||grad||^2 it owns (``PluginContext.owned_grad``: TP shards, ZeRO
-partitions, DP rank 0 for replicated full gradients; megapost.engine.accessors says how), so one sum
+partitions, DP rank 0 for replicated full gradients; megapost.optim.accessors says how), so one sum
 over all ranks gives the full value. No collective is issued here; the squared norms join the step's
 single reduction.
 """
