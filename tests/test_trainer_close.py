@@ -47,8 +47,10 @@ def test_close_frees_the_engine_and_its_memory(flags) -> None:
         trainer, cfg, _ = build_trainer(b, flags)
         trainer.train_step(1)
         trainer.train_step(2)
-        refs = {"engine": weakref.ref(trainer.engine.ds), "optimizer": weakref.ref(trainer.engine.ds.optimizer),
+        ds = trainer.engine.ds  # DeepSpeed's engine behind megapost's Engine
+        refs = {"engine": weakref.ref(ds), "optimizer": weakref.ref(ds.optimizer),
                 "parameter": weakref.ref(next(trainer.engine.module.parameters()))}
+        del ds
         held = live_tensor_bytes() - baseline
         assert held > 3 * 4 * cfg.num_parameters()  # weights, fp32 masters / grads, two Adam moments
         trainer.close()
