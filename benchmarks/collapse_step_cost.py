@@ -64,8 +64,9 @@ def run_case(b: argparse.Namespace) -> dict[str, Any]:
         step = 0
         def train(step: int) -> None:
             float(trainer.train_step(step))  # the step's end on the device (a no-op wait on CPU)
-            if plugins:  # the measurement's read-back and records (the loop's next after_iteration), charged
-                trainer.plugins[0].read_pending()  # to the measured step; a quiet step has nothing pending
+            read = getattr(trainer.plugins[0], "read_pending", None) if plugins else None
+            if read is not None:  # the measurement's read-back and records (the loop's next
+                read()  # after_iteration), charged to the measured step; a quiet step has nothing pending
             trainer.host.after_iteration(step)
 
         for _ in range(b.warmup):
