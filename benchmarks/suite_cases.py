@@ -211,7 +211,8 @@ def real_command(argv: list[str], o: argparse.Namespace, timeout: float) -> dict
     its logged tokens/s after the first log line, as the median."""
     cmd = [sys.executable, os.path.join(REPO, "examples", "pretrain_postnorm.sh"), *argv]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=o.workdir)
+    env = {**os.environ, "MEGAPOST_RUN_DIR": o.workdir}  # its run directory in the case's temporary one
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=o.workdir, env=env)
     if proc.returncode:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise RuntimeError(f"the real command exited {proc.returncode}: {tail}")
