@@ -10,8 +10,9 @@
 # and 10, the real command (examples/pretrain_postnorm.sh) against the benchmark, the Hugging Face Llama
 # peer, 1.3B- and 7B-width slices (with/without activation checkpointing), a host-sync audit, the top
 # kernels and --async-save. A failing case is a row with its error; the JSON (gpu_suite.json) is
-# rewritten after every case; no case starts past --budget-s (default 420 s, so the whole script fits
-# 8 minutes on one H200 with its set-up; the JSON records the suite's own wall time, suite_wall_s).
+# rewritten after every case; no case starts past --budget-s (default 420 s, chosen so the whole script
+# fits 8 minutes on one H200 with its set-up; not yet run on a GPU: the JSON records the suite's own wall
+# time, suite_wall_s, and each case's, case_wall_s).
 #
 #   bash benchmarks/gpu.sh [--steps 10] [--budget-s 420] [--peak-tflops 989] [--out gpu_suite.json] [--venv DIR]
 #   bash benchmarks/gpu.sh --dry-run        # the whole script on CPU with tiny shapes (CI); CPU torch
