@@ -77,17 +77,14 @@ PIP=("$PY" -m pip install --disable-pip-version-check --retries 0 --timeout 5)  
 [ -n "$PYVER" ] || PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 say "python $PY ($("$PY" -V 2>&1))"
 
-# Pure-Python or manylinux wheels DeepSpeed and megapost import that a CUDA torch does not bring.
-DEPS="hjson msgpack ninja psutil py-cpuinfo pydantic pydantic-core annotated-types typing-extensions
-typing-inspection einops tqdm packaging numpy sentencepiece safetensors tensorboard tensorboard-data-server
-grpcio protobuf absl-py markdown werkzeug markupsafe six setuptools pillow matplotlib contourpy cycler
-fonttools kiwisolver pyparsing python-dateutil"
+# DeepSpeed and what megapost imports, pinned to the versions the suite passed with (datasets included).
+PINS=benchmarks/gpu_wheels.txt
 if [ "$BUILD" = 1 ]; then
   mkdir -p wheels
-  DS_BUILD_OPS=0 "$PY" -m pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w wheels/
-  # shellcheck disable=SC2086
-  "$PY" -m pip download --only-binary=:all: --no-deps --python-version "$PYVER" --platform manylinux2014_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d wheels/ $DEPS
+  DS_BUILD_OPS=0 "$PY" -m pip wheel "$(grep '^deepspeed==' "$PINS")" --no-deps --no-build-isolation -w wheels/
+  "$PY" -m pip download --only-binary=:all: --python-version "$PYVER" --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d wheels/ \
+    -r <(grep -v -e '^#' -e '^deepspeed==' "$PINS")
   du -sh wheels/; exit 0
 fi
 
@@ -109,11 +106,11 @@ if [ "$DRY" = 0 ]; then
 fi
 
 # 3. DeepSpeed and the libraries megapost imports.
-if ! "$PY" -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors' 2>/dev/null; then
-  if ls wheels/deepspeed-*.whl >/dev/null 2>&1; then  # offline: the carried wheels
-    "${PIP[@]}" --no-deps --no-index wheels/*.whl
+if ! "$PY" -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors, datasets' 2>/dev/null; then
+  if ls wheels/deepspeed-*.whl >/dev/null 2>&1; then  # offline: the carried wheels, resolved (pip checks them)
+    "${PIP[@]}" --no-index --find-links wheels/ -r "$PINS"
   else  # the package index; DeepSpeed without compiling its ops (megapost uses none)
-    DS_BUILD_OPS=0 "${PIP[@]}" "deepspeed==0.19.8" matplotlib tensorboard sentencepiece safetensors || die \
+    DS_BUILD_OPS=0 "${PIP[@]}" -r "$PINS" || die \
       "could not install DeepSpeed from the package index; offline, run 'bash benchmarks/gpu.sh --build-wheels' on a networked machine and carry wheels/"
   fi
 fi

@@ -31,7 +31,7 @@ from megapost.model.rope import apply_rope_tables
 from megapost.optim import accessors
 from megapost.parallel.collectives import all_gather, all_reduce
 from megapost.parallel.state import ParallelState
-from megapost.plan.collapse_law import Law, load_law, run_factors
+from megapost.study.boundary_law import Law, load_law, run_factors
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [

@@ -272,7 +272,7 @@ class CollapseMetricsPlugin(Plugin):
         if self.autopsy is not None:
             event = self.autopsy_event == iteration
             line = self.autopsy.after_iteration(iteration, self.ctx, self.model, event,
-                                                (self.state_dict, self.load_state_dict))
+                                                (self._detectors_state, self._load_detectors))
             self.autopsy_event = None
             if line is not None and self.writers is not None:
                 print(line, flush=True)
@@ -283,7 +283,7 @@ class CollapseMetricsPlugin(Plugin):
         self.guard_event = None
         healthy = not self.state.collapsed and not (self.warning is not None and self.warning.warned_at)
         record = self.guard.after_iteration(iteration, self.ctx, event, healthy,
-                                            (self.state_dict, self.load_state_dict))
+                                            (self._detectors_state, self._load_detectors))
         if record is not None and self.writers is not None:
             print(record["line"], flush=True)
             self.writers.alert(iteration, record["line"])
@@ -291,7 +291,21 @@ class CollapseMetricsPlugin(Plugin):
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the detectors' state and the logging rank's record (alarm steps,
+        heatmap history), so a resumed run continues one record."""
         self.read_pending()  # a measured step not yet read belongs to the state saved
+        state = self._detectors_state()
+        if self.writers is not None:
+            state["writers"] = self.writers.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_detectors(state)
+        if "writers" in state and self.writers is not None:
+            self.writers.load_state_dict(state["writers"])
+
+    def _detectors_state(self) -> dict[str, Any]:
+        """The state a guard rollback or autopsy replay rewinds (the record itself is not rewound)."""
         state = {"running": self.running.state_dict(), "detector": self.detector.state_dict(),
                  "state": self.state.state_dict()}
         if self.warning is not None:
@@ -300,7 +314,7 @@ class CollapseMetricsPlugin(Plugin):
             state["guard"] = self.guard.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _load_detectors(self, state: dict[str, Any]) -> None:
         if "running" in state:
             self.running.load_state_dict(state["running"])
         if "detector" in state:

@@ -129,6 +129,20 @@ class Writers:
         self.writer.add_figure("collapse/depth_profiles", images.profiles(), step, close=True)
         self.writer.add_figure("collapse/heatmaps", images.heatmaps(marks), step, close=True)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The record so far (alarm steps, alarm state and marks, image cadence and history), for the
+        checkpoint: a resumed run continues it instead of starting a second one."""
+        return {"alarms": dict(self.alarms.on_since), "collapsed": self.collapsed,
+                "marks": [[step, label] for step, label in self.marks.items()], "measured": self.measured,
+                "imaged": self.imaged, "images": self.images.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.alarms.on_since.update({k: v for k, v in state["alarms"].items() if k in self.alarms.on_since})
+        self.collapsed = state["collapsed"]
+        self.marks = {int(step): label for step, label in state["marks"]}
+        self.measured, self.imaged = int(state["measured"]), int(state["imaged"])
+        self.images.load_state_dict(state["images"])
+
     def alert(self, step: int, line: str) -> None:
         """An alarm line as TensorBoard text (``collapse/alerts``)."""
         if self.writer is not None:
