@@ -6,10 +6,11 @@ Cases (megapost's real Trainer and DeepSpeed engine, synthetic batches, the plug
 and TensorBoard scalars into a temporary run directory): ``none`` (no plugin) and ``plugin`` at
 ``--collapse-interval 2``, so measured and quiet steps alternate in one warm process. Per case: every
 step's wall time, the aten ops dispatched in one quiet and (with the plugin) one measured step
-(``TorchDispatchMode`` count). Prints measured / quiet (median step times of the plugin process, on
-the wall clock and on this process's CPU time, which a machine shared with other jobs disturbs less;
-the issue-38 target on CPU at 4 x 256, seq 256: <= 1.5), quiet / no plugin, and ops per quiet step with
-and without the plugin (equal: nothing is attached on quiet steps).
+(``megapost.utils.op_count``: every aten op, views included). Prints measured / quiet (median step
+times of the plugin process, on the wall clock and on this process's CPU time, which a machine shared
+with other jobs disturbs less; the issue-38 target on CPU at 4 x 256, seq 256: <= 1.5), quiet / no
+plugin, and ops per quiet step with and without the plugin (equal: nothing is attached on quiet steps).
+A measured step is charged its read-back and records (the loop reads them at the next iteration).
 """
 
 from __future__ import annotations
@@ -22,29 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from megapost.utils.op_count import AtenOpCounter
 
 TARGET = 1.5
-
-
-class OpCount(TorchDispatchMode):
-    """Counts every aten op dispatched inside the ``with`` block (``total``, ``ops``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
 
 
 def run_case(b: argparse.Namespace) -> dict[str, Any]:
@@ -83,9 +68,9 @@ def run_case(b: argparse.Namespace) -> dict[str, Any]:
             step += 1
             if wants(step) != (kind == "measured"):
                 step += 1
-            with OpCount() as c:
+            with AtenOpCounter() as c:
                 train(step)
-            counts[kind] = c.total
+            counts[kind] = c.total  # every aten op dispatched, views and metadata included
         trainer.close()
     return {"case": b.case, "steps": times, "ops": counts}
 

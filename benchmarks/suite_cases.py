@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from bench_common import build_trainer, synthetic_batches
-from collapse_step_cost import OpCount
 
 from megapost.metrics.host_syncs import HostSyncCounter
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.plan import planned_rank_peak
+from megapost.utils.op_count import AtenOpCounter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,11 +67,12 @@ def step_times(step: Callable[[], Any], device: torch.device, warmup: int, steps
 
 def kernels(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """One step's kernel count and device-busy fraction (the union of kernel intervals over the step's
-    wall time) from torch.profiler on CUDA; on CPU the aten ops dispatched (busy is GPU-only)."""
+    wall time) from torch.profiler on CUDA; on CPU the aten compute ops dispatched (a kernel each on a
+    GPU; views left out), busy being GPU-only."""
     if device.type != "cuda":
-        with OpCount() as count:
+        with AtenOpCounter() as count:
             step()
-        return {"ops_per_step": count.total, "kernels_per_step": None, "busy_fraction": None}
+        return {"ops_per_step": count.compute, "kernels_per_step": None, "busy_fraction": None}
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)

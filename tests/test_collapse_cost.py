@@ -26,16 +26,16 @@ def trainer(plugin: bool, interval: int = 2):
 
 
 def quiet_ops(plugin: bool) -> dict[str, int]:
-    from collapse_step_cost import OpCount
+    from megapost.utils.op_count import AtenOpCounter
 
     t = trainer(plugin)
     try:
         for step in (1, 2):  # step 2 is measured under the plugin, step 3 is quiet
             t.train_step(step)
             t.host.after_iteration(step)
-        with OpCount() as count:
+        with AtenOpCounter() as count:
             t.train_step(3)
-        return dict(count.ops)
+        return {**count.by_name, **count.metadata}
     finally:
         t.close()
 
