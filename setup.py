@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["megapost", "megapost.*"]) + ["collapse_metrics",
                                                                  "collapse_metrics.analysis"],
     package_dir={"collapse_metrics": "plugins/collapse_metrics"},
-    package_data={"megapost.plan": ["*.json"]},  # the collapse-boundary fit the planner ships with
+    package_data={"megapost.study": ["*.json"]},  # the shipped laws (boundary + hazard) the planner reads
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19.8,<0.20",  # megapost.ds_adapter.TESTED: the range the suite runs
@@ -32,6 +32,13 @@ setup(
     entry_points={
         "console_scripts": [
             "megapost-pretrain=megapost.pretrain:main",
+            "megapost-law=megapost.study.__main__:main",
+            "megapost-preprocess=megapost.data.commands:preprocess_main",
+            "megapost-train-tokenizer=megapost.data.commands:train_tokenizer_main",
+            "megapost-prepare-data=megapost.data.commands:prepare_data_main",
+            "megapost-plan=megapost.plan.__main__:main",
+            "megapost-export-hf=megapost.checkpoint.hf_command:export_hf_main",
+            "megapost-sweep=megapost.tool_scripts:sweep",
         ],
         "megapost.plugins": [
             "collapse_metrics=collapse_metrics.plugin:CollapseMetricsPlugin",

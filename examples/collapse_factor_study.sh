@@ -10,7 +10,7 @@
 # (default: all, in priority order): warmup depth width paper w2000 factors deep (tokens and seq: those two
 # factors alone). WIDE, TOKENS, SEQS: the widths, batches and seq:batch pairs of those parts. KEEP (default
 # study/results): where each sweep's results.csv is copied after every sweep, the folder the shipped law
-# is fitted from (tools/fit_collapse_law.py study/results), so the study's data travels with the
+# is fitted from (megapost-law boundary study/results), so the study's data travels with the
 # repository and not only with $OUT.
 #
 #   OUT=/work/study bash examples/collapse_factor_study.sh
@@ -27,7 +27,7 @@ SEQS=${SEQS:-16:16 64:4 128:2 256:1}  # seq:batch of the seq part (256 tokens/st
 KEEP=${KEEP:-study/results}
 DATA=${DATA:-$OUT/data}  # the corpus, tokenized with 512/2048/8192-token BPEs and the default 32k tokenizer
 read -r -a EXTRA <<< "${STUDY_FLAGS:-}"  # e.g. --flush-denormal, or --engine subprocess
-LAW=megapost/plan/collapse_boundary_post.json
+LAW=study/results/grid_w20/boundary.json
 COMMON=(--lr-from-law "$LAW" --law-factor 2 --lr-widen 3 --bisect-steps 2 --seeds 1,2,3 --jobs "$JOBS"
         --nice 10 --interval 4 --widths 64 --depths 4 --warmup 20 --iters 150 --seq-length 32 --batch 8
         --presets paper-180m)

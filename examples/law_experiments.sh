@@ -2,7 +2,8 @@
 # The delayed-collapse law's experiments (issue 40 item 3): long constant-lr Post-Norm runs after a long
 # warmup, so the event measured is the paper's (learn, then collapse) and the lr at the event is the
 # peak lr. One tools/stability_sweep.py folder per experiment; resumable (a rerun skips finished runs);
-# results.csv and each run's per-step series copied into study/results/<exp>/ after every sweep.
+# results.csv and each run's per-step series copied into study/results/<exp>/ after every sweep
+# (megapost-law collect; then `make law` refits; docs/study_results.md).
 #   E1 horizon: 64 x 4, 256 tokens/step, warmup 500, constant lr, 2,000 steps at peak, 4 lrs x 4 seeds
 #   E2 batch:   64 x 4, warmup 500, 1,000 steps at peak, 256 / 1,024 / 4,096 tokens/step, 3 lrs x 2 seeds
 #   E3 depth:   128 x {8, 16, 32}, warmup 1,000, 700 steps at peak, 3 lrs x 2 seeds
@@ -33,9 +34,8 @@ sweep() {  # sweep NAME [stability_sweep flags...]
   python tools/stability_sweep.py --out "$OUT/$name" --data-path "$DATA/bpe2048/news2048_text_document" \
     --tokenizer-model "$DATA/bpe2048/bpe2048.model" --variants post --decay-style constant --jobs "$JOBS" \
     --nice 15 --flush-denormal --interval 5 --split 969,30,1 "$@" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 || rc=$?
-  if [ -n "$KEEP" ] && [ -f "$OUT/$name/results.csv" ]; then
-    mkdir -p "$KEEP/$name" && cp "$OUT/$name/results.csv" "$KEEP/$name/.results.csv.tmp" \
-      && mv "$KEEP/$name/.results.csv.tmp" "$KEEP/$name/results.csv"
+  if [ -n "$KEEP" ] && [ -f "$OUT/$name/results.csv" ]; then  # results.csv + series/<cell>.csv
+    python -m megapost.study collect "$OUT/$name" "$name" --results "$KEEP" || rc=$?
   fi
   echo "$(date -u +%H:%M:%S) finished $name (exit $rc)" >> "$OUT/STATUS.md"
 }

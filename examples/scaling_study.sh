@@ -7,7 +7,7 @@
 #             plateau / trained) with Wilson 95 % intervals, early-warning calibration -> $RUNS/outcomes
 #   boundary  tools/collapse_boundary.py's default grid (widths 64,128,256 x depths 4,8,16, 3 seeds,
 #             ends + widening + 3 bisection steps; warmup 20, 150 steps, seq 32) -> $RUNS/boundary
-#             (boundary.json -> python tools/fit_collapse_law.py $RUNS/boundary/boundary.json -> the planner's law)
+#             (boundary.json -> megapost-law boundary $RUNS/boundary/boundary.json -> the planner's law)
 #   autopsy   --collapse-autopsy 40 on the first delayed seed that collapses and the first that ends on the
 #             plateau (else trains) in outcomes' results + the aligned figure -> $RUNS/autopsy{,.png}
 #   guard     both remedies (lr*0.5, rewarm) on the immediate setting (12 layers, lr 1e-2, no warmup, 150

@@ -1,12 +1,11 @@
-"""The collapse law's fitter (megapost/plan/collapse_fit.py) on outcomes drawn from a known law, its
-schema (collapse_law.py) and tools/fit_collapse_law.py end to end."""
+"""The collapse law's fitter (megapost/study/boundary_fit.py) on outcomes drawn from a known law, its
+schema (collapse_law.py) and megapost-law boundary end to end."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +13,8 @@ import pytest
 from scipy.stats import chi2, norm
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import _erfc, chi2_sf, fit_law, make_probe, separable
-from megapost.plan.collapse_law import Form, Law, load_law, save_law
+from megapost.study.boundary_fit import _erfc, chi2_sf, fit_law, make_probe, separable
+from megapost.study.boundary_law import Form, Law, load_law, save_law
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"width": 64, "depth": 4, "warmup": 20, "tokens_per_step": 256, "decay_iters": 130, "seq": 32,
@@ -133,7 +132,7 @@ def test_the_schema_round_trips_and_predicts_by_its_own_formula(tmp_path):
     assert pred.not_modelled == ["vocab 32,000 (held at 2,048)"]
     assert pred.p_collapse(pred.lr_star, back.sigma) == pytest.approx(0.5)
     (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
-    with pytest.raises(ConfigError, match=r"--collapse-law .*bad.json: not a tools/fit_collapse_law.py fit"):
+    with pytest.raises(ConfigError, match=r"--collapse-law .*bad.json: not a megapost-law boundary fit"):
         load_law(str(tmp_path / "bad.json"))
     assert isinstance(Law.from_dict(law.as_dict()), Law)
 
@@ -157,11 +156,11 @@ def _write_results(path: Path, probes) -> None:
 
 
 def test_the_tool_fits_results_csv_and_validates(tmp_path, monkeypatch, capsys):
-    """tools/fit_collapse_law.py on a results.csv of per-seed rows: the same probes as the fitter gets
+    """megapost-law boundary on a results.csv of per-seed rows: the same probes as the fitter gets
     directly (the Pre-Norm row ignored), a law JSON the planner loads, the leave-one-out table over the
     three widths and depths, and the paper-180m test printed."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import fit_collapse_law
+    from megapost.study import boundary_cli as fit_collapse_law
+    from megapost.study import boundary_report
 
     probes = synthetic(5)
     (tmp_path / "sweep").mkdir()
@@ -183,8 +182,8 @@ def test_the_tool_fits_results_csv_and_validates(tmp_path, monkeypatch, capsys):
     assert "| tokens_per_step | 256 only | not measured (held at 256) |" in text
     assert "paper-180m test" in text and law.validation["paper_180m"]["bracket"] == [6e-4, 8e-4]
     ps = [make_probe(BASE, lr, k, 3) for lr, k in ((1e-3, 0), (2e-3, 1), (3e-3, 2), (4e-3, 1), (5e-3, 3))]
-    assert sys.modules["law_report"].bracket(ps) == (2e-3, 3e-3)  # first majority; last minority below
-    assert sys.modules["law_report"].bracket(ps[:2]) == (2e-3, math.inf)
+    assert boundary_report.bracket(ps) == (2e-3, 3e-3)  # first majority; last minority below
+    assert boundary_report.bracket(ps[:2]) == (2e-3, math.inf)
 
 
 def test_a_factor_that_never_varies_alone_gets_no_term():

@@ -1,7 +1,7 @@
 """Outcomes as probabilities (collapse_metrics/analysis/probabilities.py): Wilson intervals against an
 independent solution of the score equation, per-cell aggregation, warning calibration; the stability
 sweep's resumability (a second invocation starts no run) and its probability files; the boundary's
-bisection and power-law fit (analysis/boundary.py)."""
+bisection and power-law fit (megapost/study/bisection.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 import pytest
-from collapse_metrics.analysis.boundary import Bracket, fit_power_law, predict
 from collapse_metrics.analysis.probabilities import (
     aggregate,
     calibrate,
@@ -21,6 +20,8 @@ from collapse_metrics.analysis.probabilities import (
 )
 from launch_utils import REPO
 from scipy.stats import norm
+
+from megapost.study.bisection import Bracket, fit_power_law, predict
 
 
 def _wilson_by_roots(k: int, n: int) -> tuple[float, float]:

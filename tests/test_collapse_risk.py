@@ -11,8 +11,8 @@ import pytest
 from scipy.stats import norm
 
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_law import SHIPPED_LABEL, Branch, Form, Law, load_law, save_law
 from megapost.plan.collapse_risk import collapse_risk
+from megapost.study.boundary_law import SHIPPED_LABEL, Branch, Form, Law, load_law, save_law
 
 REPO = Path(__file__).resolve().parents[1]
 FACTORS = ("width", "depth", "warmup", "tokens_per_step", "decay_iters", "seq", "init")
@@ -106,7 +106,7 @@ def test_the_shipped_fit_loads_and_an_old_boundary_file_is_refused(tmp_path, mon
     law, source = load_law(None)
     assert source == SHIPPED_LABEL and law.placement == "post" and law.provenance["runs"] > 100
     assert all((REPO / s["path"]).is_file() for s in law.provenance["sources"])
-    old = REPO / "megapost" / "plan" / "collapse_boundary_post.json"  # the old study's probes: data
-    with pytest.raises(ConfigError, match="not a tools/fit_collapse_law.py fit.*refit with"):
+    old = REPO / "study" / "results" / "grid_w20" / "boundary.json"  # the old study's probes: data
+    with pytest.raises(ConfigError, match="not a megapost-law boundary fit.*refit with"):
         load_law(str(old))
     assert json.loads(old.read_text())["points"]

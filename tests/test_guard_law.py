@@ -13,8 +13,8 @@ from test_collapse_guard import _guard, _records, _run, _split_at_rollback
 
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
-from megapost.plan.collapse_law import FACTORS, Branch, Form, Law, save_law
 from megapost.plugin_api import Flags
+from megapost.study.boundary_law import FACTORS, Branch, Form, Law, save_law
 
 SIGMA = 0.2
 COV = 1e-4  # diagonal

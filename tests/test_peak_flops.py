@@ -13,6 +13,8 @@ import torch
 
 from megapost.metrics import peak_flops
 from megapost.metrics.peak_flops import Peak, cache_file, resolve_peak, table_peak
+from megapost.metrics.throughput import Throughput
+from megapost.train.logger import mfu_text
 
 CPU = torch.device("cpu")
 
@@ -156,3 +158,14 @@ def test_unlisted_gpu_says_mfu_unknown(monkeypatch) -> None:
     monkeypatch.setattr(peak_flops, "device_name", lambda device: "NVIDIA Future GPU")
     peak = resolve_peak(0.0, torch.bfloat16, torch.device("cuda", 0))
     assert peak.tflops == 0.0 and "MFU unknown: pass --peak-tflops" in peak.source
+    assert peak.describe().startswith("unknown (") and "TFLOP/s/device" not in peak.describe()
+
+
+def test_unknown_peak_logs_no_mfu() -> None:
+    """No peak: MFU is absent from the report (so never logged as throughput/mfu 0.0), and the log
+    line says it is unknown."""
+    meter = Throughput(flops_per_token=6e6, world_size=1, peak_tflops=0.0, causal_flops_per_token=5e6)
+    meter.tick(1000)
+    perf = meter.report()
+    assert not {k for k in perf if k.startswith("mfu")} and perf["tflops_per_device"] > 0
+    assert mfu_text(perf, 0.0) == "MFU unknown: pass --peak-tflops"

@@ -13,15 +13,18 @@ import pytest
 from launch_utils import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
-from law_report import law_lines, paper_test  # noqa: E402
 from readme_law import check_law  # noqa: E402
 
-from megapost.plan.collapse_law import SHIPPED_LAW, load_law  # noqa: E402
+from megapost.study.boundary_law import SHIPPED_LAW, load_law  # noqa: E402
+from megapost.study.boundary_report import law_lines, paper_test  # noqa: E402
 
 
 def _tool(readme) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/readme_numbers.py", "--readme", str(readme)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
+
+
+LAW_PAGE = "docs/scaling_study.md"  # where the law's numbers are quoted (tools/readme_numbers.py checks it)
 
 
 def _drifts(out: str) -> list[str]:
@@ -64,8 +67,8 @@ def test_law_quotes_pass_then_an_edited_one_fails() -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_readme_collapse_risk_line_is_what_the_planner_prints(tmp_path) -> None:
-    """The README's own command and (cut) risk line: passes; its lr* edited by 10% fails."""
-    text = (REPO / "README.md").read_text()
+    """The law page's own command and (cut) risk line: passes; its lr* edited by 10% fails."""
+    text = (REPO / LAW_PAGE).read_text()
     risk = re.search(r"^.*collapse risk: .*$", text, re.M)
     command = text[:risk.start()].rstrip("\n").rsplit("\n", 1)[1]
     assert "python -m megapost.plan" in command
@@ -82,10 +85,11 @@ def test_readme_collapse_risk_line_is_what_the_planner_prints(tmp_path) -> None:
 
 
 def test_the_readme_quotes_every_law_number_the_checker_reads() -> None:
-    # a reworded sentence would silently drop out of the check: every prose quote must be found in README
+    # a reworded sentence would silently drop out of the check: every prose quote must be found on the
+    # page that keeps the law's numbers (moved from the README with the rest of the reference)
     from readme_law import prose_checks
 
     law, _ = load_law(str(SHIPPED_LAW))
-    text = " ".join((REPO / "README.md").read_text().split("\n"))
+    text = " ".join((REPO / LAW_PAGE).read_text().split("\n"))
     missing = [p.pattern for p, _ in prose_checks(law) if not p.search(text)]
-    assert not missing, f"README.md no longer quotes: {missing}"
+    assert not missing, f"{LAW_PAGE} no longer quotes: {missing}"

@@ -111,7 +111,7 @@ def test_boundary_from_the_law_with_adaptive_seeds_on_one_point(tmp_path, monkey
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import collapse_boundary
 
-    law = REPO / "megapost" / "plan" / "collapse_boundary_post.json"
+    law = REPO / "study" / "results" / "grid_w20" / "boundary.json"
     fit = json.loads(law.read_text())["fit"]
     star = math.exp(fit["log_a"] + fit["b_width"] * math.log(64) + fit["c_depth"] * math.log(4))
     ran = []

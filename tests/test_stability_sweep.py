@@ -81,6 +81,9 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     for r in rows:
         assert r["outcome"] in {"collapsed", "trained", "plateau"} and r["depth"] == "2"
         assert float(r["final_tsim"]) > 0 and r["final_grad_ratio"] and float(r["freq_loss"]) > 0
+        # 4 steps from the initial loss (above L) cannot come 0.3 nats below L: failed to start, no step
+        assert (r["event"], r["event_step"], r["learned_step"], r["decay_style"]) == (
+            "failed_to_start", "", "", "cosine")
     assert (sweep / "phase_L2.png").read_bytes()[:8] == PNG
     assert (sweep / "prob_L2.png").read_bytes()[:8] == PNG and "progress 2/2 cells (2 run now" in proc.stdout
     assert len(json.loads((sweep / "cells.json").read_text())) == 2 and (sweep / "warning.json").is_file()
@@ -95,6 +98,8 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     again = _sweep(tiny_data, sweep, "--norms", "post+qk-norm,pre")  # finished cells are not rerun
     assert again.returncode == 0 and "[sweep] 2/2 cells" in again.stdout
     assert {c: (sweep / "cells" / c / "train.log").stat().st_mtime_ns for c in cells} == logs
+    refused = _sweep(tiny_data, tmp_path / "other", "--", "--lr-decay-style", "constant")
+    assert refused.returncode != 0 and "--lr-decay-style after '--'" in refused.stderr + refused.stdout
 
     out = tmp_path / "table" / "study"
     table = run([sys.executable, "tools/placement_table.py", "--sweep", f"tiny={sweep}", "--sweep",

@@ -11,9 +11,9 @@ bisected in log-lr between --lr-lo and --lr-hi (both ends first; an end on the w
 probe over --seeds; a probe "collapses" when >= half its seeds end in the collapsed state (outcome.py's
 collapsed, with vanished gradients: --collapse-grad-ratio). Every probe is
 one stability_sweep cell (the real trainer, resumable: <out>/d{width}/cells/...; all grid points advance
-in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (analysis/boundary.py,
+in lock-step so --jobs processes stay busy). Then lr*(d, L) = a d^b L^c is fitted (study/bisection.py,
 intervals from the brackets), plotted (<out>/boundary.png), extrapolated to the ladder presets (labelled
-extrapolation), and written to <out>/boundary.json; ``python tools/fit_collapse_law.py
+extrapolation), and written to <out>/boundary.json; ``megapost-law boundary
 <out>/boundary.json`` fits the planner's law from it (maximum likelihood over every probe's seeds).
 <out>/verify.sh lists the GPU runs that would test the prediction at the next size,
 with their planned cost. Flags after ``--`` go to every run.
@@ -31,7 +31,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from collapse_metrics.analysis.boundary import Bracket, fit_power_law, predict
 from collapse_metrics.corpus import train_split_frequency_loss
 from stability_sweep import Cell, add_run_flags, ints, parse_variant, run_cell
 from sweep_engine import make_pool, run_probes
@@ -40,6 +39,7 @@ from sweep_results import collapsed, write_csv
 from megapost.config.presets import PRESETS
 from megapost.data import SentencePieceTokenizer
 from megapost.model import ModelConfig
+from megapost.study.bisection import Bracket, fit_power_law, predict
 from megapost.utils.atomic import atomic_write_text
 
 LADDER = ("llama-350m", "llama-760m", "llama-1.3b", "llama-3b", "llama-7b", "paper-180m")
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-hi", type=float, default=1e-1)
     p.add_argument("--lr-from-law", metavar="FIT", default=None,
                    help="start each point's bracket at FIT's lr*(d, L) x [1/F, F] (a boundary.json, e.g. "
-                   "megapost/plan/collapse_boundary_post.json) instead of [--lr-lo, --lr-hi]")
+                   "study/results/grid_w20/boundary.json) instead of [--lr-lo, --lr-hi]")
     p.add_argument("--law-factor", type=float, default=2.0, metavar="F", help="see --lr-from-law")
     p.add_argument("--adaptive-seeds", action=argparse.BooleanOptionalAction, default=True,
                    help="stop a probe's seeds once its majority vote cannot change (seeds in order)")
@@ -223,7 +223,7 @@ def report(args: argparse.Namespace, points: list[Bracket]) -> dict:
     atomic_write_text(out / "boundary.json", json.dumps(data, indent=1))
     atomic_write_text(out / "verify.sh", "#!/usr/bin/env bash\n" + "\n".join(verify) + "\n")
     plot(out / "boundary.png", points, fit)
-    print(f"the planner's law: python tools/fit_collapse_law.py {out / 'boundary.json'}")
+    print(f"the planner's law: megapost-law boundary {out / 'boundary.json'}")
     print("| width | depth | lr* | bracket | probes (lr: collapsed/seeds) |\n|---|---|---|---|---|")
     for b in points:
         est = f"{b.estimate:.3g}" if b.status == "open" else b.status

@@ -1,9 +1,10 @@
 """The collapse law's numbers a README quotes, against the code (tools/readme_numbers.py's law part).
 
-Compared with what the code computes today from the SHIPPED fit (megapost/plan/collapse_law_post.json,
+Compared with what the code computes today from the SHIPPED fit (megapost/study/boundary_law_post.json,
 read, not refitted: whether that file is the fit of study/results is the fitting tool's own test) and
 with what the planner prints:
-  * the law line ``lr* = ...`` against tools/law_report.py's ``law_lines`` (every exponent, its interval);
+  * the law line ``lr* = ...`` against megapost/study/boundary_report.py's ``law_lines`` (every
+    exponent, its interval);
   * every quoted ``collapse risk: ...`` line (whole or cut with ``...``) against the planner's line for the
     nearest ``python -m megapost.plan`` command above it, at the quoted lr;
   * the prose: ``N runs, M configurations`` (the fit's provenance), ``Leave-one-out ...: a/b held-out
@@ -23,9 +24,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from law_report import law_lines, paper_factors, paper_test
-
-from megapost.plan.collapse_law import ENV, SHIPPED_LAW, Law, load_law
+from megapost.study.boundary_law import ENV, SHIPPED_LAW, Law, load_law
+from megapost.study.boundary_report import law_lines, paper_factors, paper_test
 
 REPO = Path(__file__).resolve().parent.parent
 REL_TOL = 0.01

@@ -38,12 +38,13 @@ from collapse_metrics.analysis.probability_report import probability_figure, wri
 from collapse_metrics.corpus import train_split_frequency_loss
 from collapse_metrics.plugin import CollapseMetricsPlugin
 from sweep_engine import add_run_flags, make_pool
-from sweep_results import check_same_setting, collapsed, settings, write_csv
+from sweep_results import check_extra, check_same_setting, collapsed, settings, write_csv
 
 from megapost.config.arguments import build_parser as trainer_parser
 from megapost.config.errors import ConfigError
 from megapost.data import SentencePieceTokenizer
 from megapost.model.placements import PLACEMENTS
+from megapost.study.events import from_series
 from megapost.utils.atomic import atomic_write_text
 
 
@@ -190,6 +191,9 @@ def run_cell(args: argparse.Namespace, cell: Cell, freq_loss: float) -> dict[str
               "seconds": round(time.monotonic() - start, 1), "engine": args.pool.engine,
               "flush_denormal": args.flush_denormal}
     result["collapsed"] = int(collapsed(result, args.collapse_grad_ratio))
+    ev = from_series([r.step for r in rows], [r.loss for r in rows], [r.tsim_head for r in rows],
+                     [r.ratio for r in rows], freq_loss)  # the three outcomes (megapost/study/events.py)
+    result.update(event=ev.kind, event_step=ev.step, learned_step=ev.learned_step)
     atomic_write_text(done, json.dumps(result))
     print(f"[sweep] {cell.name}: {result['outcome']} transition {result['transition_step']} alarm "
           f"{result['alarm_step']} best {result['best_gap']:+.2f} final {result['final_gap']:+.2f} "
@@ -338,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.extra = extra
+    check_extra(extra)
     out = Path(args.out)
     vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
     cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"

@@ -17,10 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fit_collapse_law import probes_from_csv
-from law_report import bracket
-
-from megapost.plan.collapse_fit import groups
+from megapost.study.boundary_cli import probes_from_csv
+from megapost.study.boundary_fit import groups
+from megapost.study.boundary_report import bracket
 
 BASE = {"width": 64, "depth": 4, "warmup": 20, "decay_iters": 130, "seq": 32, "tokens_per_step": 256,
         "vocab": 2048, "heads": 4, "init": 0}

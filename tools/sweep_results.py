@@ -9,6 +9,7 @@ import argparse
 import csv
 import io
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,24 @@ OUTCOME = ("outcome", "collapsed", "final_loss", "last_loss", "freq_loss", "fina
            "final_tsim", "final_grad_ratio", "transition_step", "delayed", "alarm_step", "alarm_final",
            "warning_step", "collapse_grad_ratio")
 RUN = ("seconds", "engine", "flush_denormal")
-FIELDS = SETTINGS + OUTCOME + RUN
+EVENT = ("event", "event_step", "learned_step")  # the three outcomes, their step (megapost/study/events.py)
+FIELDS = SETTINGS + OUTCOME + RUN + EVENT
+
+
+# trainer flags each cell sets and results.csv records: a pass-through copy would change the run unrecorded
+OWN_FLAGS = {"--lr-decay-style": "--decay-style", "--lr": "--lrs", "--min-lr": "--lrs (min-lr = lr/10)",
+             "--lr-warmup-iters": "--warmups", "--train-iters": "--iters", "--seed": "--seeds",
+             "--num-layers": "--depths", "--hidden-size": "--hidden", "--seq-length": "--seq-length",
+             "--micro-batch-size": "--batch", "--global-batch-size": "--batch"}
+
+
+def check_extra(extra: Sequence[str]) -> None:
+    """Refuse a pass-through flag (after ``--``) that the sweep sets itself for every cell."""
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in OWN_FLAGS:
+            raise ConfigError(f"{name} after '--': the sweep sets it for every cell and records it in "
+                              f"results.csv; use the sweep's {OWN_FLAGS[name]} instead")
 
 
 def collapsed(result: dict[str, Any], grad_ratio: float) -> bool:

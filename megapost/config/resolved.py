@@ -136,6 +136,7 @@ class RuntimeConfig:
     plugins: str
     iterations_to_skip: tuple[int, ...] = ()  # Megatron-LM's --iterations-to-skip
     max_consecutive_skipped_iterations: int = 10
+    kernel_fusion: str = "auto"  # --kernel-fusion (megapost.model.fusion.parse_fusion)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
                               a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
                               a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,
                               a.deepspeed_config, a.plugins, tuple(a.iterations_to_skip),
-                              a.max_consecutive_skipped_iterations),
+                              a.max_consecutive_skipped_iterations,
+                              kernel_fusion=getattr(a, "kernel_fusion", "auto")),
         engine=engine,
         flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
                                 "zero_stage": engine.zero_stage,

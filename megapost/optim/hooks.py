@@ -16,17 +16,19 @@ from megapost.optim.skips import SkipCounter
 
 
 def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None,
-            overlap_bucket: int | None = None, skip_limit: int = 0) -> SkipCounter:
+            overlap_bucket: int | None = None, skip_limit: int = 0,
+            fuse_grad_accumulation: bool = True) -> SkipCounter:
     """Install the hooks; with ``dp_size`` 1, skip the engine's data-parallel gradient reduction; with
     ``overlap_bucket`` (megapost.optim.grad_reduce.overlap_bucket), overlap the bf16 reduction in
     buckets of at least that many elements. Returns the counter of skipped steps (``skip_limit``:
-    --max-consecutive-skipped-iterations). The adapter's
+    --max-consecutive-skipped-iterations; ``fuse_grad_accumulation``: bf16 gradients added into their
+    fp32 buffers without a cast kernel, megapost.ds_adapter.grad_accum). The adapter's
     self-test runs first (one line if DeepSpeed changed)."""
     problem = selftest.run(engine)
     if problem:
         raise ConfigError(problem)
     skips = SkipCounter(engine.device, skip_limit)
-    skips.mode = step_hooks.install(engine, before_step, skips.record)
+    skips.mode = step_hooks.install(engine, before_step, skips.record, fuse_grad_accumulation)
     skips.skipped_by_deepspeed = lambda: step_hooks.skipped_by_deepspeed(engine)
     scheduler = getattr(engine, "lr_scheduler", None)
     if skips.mode == "device" and hasattr(scheduler, "count_on_device"):

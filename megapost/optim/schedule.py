@@ -1,7 +1,6 @@
 """Linear warmup then cosine / linear / constant / WSD decay to --min-lr, a pure function of the step.
 
-WSD (warmup-stable-decay, Megatron's ``--lr-decay-style WSD``): after warmup the lr stays at --lr
-until the last ``wsd_decay_iters`` of ``decay_iters``, then anneals to --min-lr with ``wsd_style``.
+``lr_at`` (megapost/utils/lr_schedule.py) is the schedule, a pure function of the step.
 
 With a sync-free step (``count_on_device``) the schedule runs on the device: the step count is a device
 tensor that a skipped step (non-finite gradient) does not advance, and the lr a device tensor (fused
@@ -10,43 +9,13 @@ AdamW takes it as is) looked up in a table of ``lr_at`` values, so no step waits
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from megapost.utils.lr_schedule import lr_at
 
-def _wsd_coeff(step: int, decay_iters: int, wsd_decay_iters: int, wsd_style: str) -> float:
-    start = decay_iters - wsd_decay_iters
-    if step <= start:
-        return 1.0
-    ratio = min(1.0, (step - start) / max(1, wsd_decay_iters))
-    if wsd_style == "linear":
-        return 1.0 - ratio
-    if wsd_style == "cosine":
-        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    if wsd_style == "minus_sqrt":
-        return 1.0 - math.sqrt(ratio)
-    return 2.0 * 0.5**ratio - 1.0  # exponential: 1 at the start of the anneal, 0 at its end
-
-
-def lr_at(step: int, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str,
-          wsd_decay_iters: int = 0, wsd_style: str = "exponential", warmup_init: float = 0.0) -> float:
-    """Learning rate for optimizer step ``step`` (0-based count of steps already taken); warmup rises
-    linearly from ``warmup_init`` (Megatron's --lr-warmup-init) to ``lr``."""
-    if warmup > 0 and step < warmup:
-        return warmup_init + (lr - warmup_init) * (step + 1) / warmup
-    if style == "constant":
-        return lr
-    if style == "WSD":
-        return min_lr + _wsd_coeff(step, decay_iters, wsd_decay_iters, wsd_style) * (lr - min_lr)
-    span = max(1, decay_iters - warmup)
-    ratio = min(1.0, (step - warmup) / span)
-    if style == "linear":
-        coeff = 1.0 - ratio
-    else:
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return min_lr + coeff * (lr - min_lr)
+__all__ = ["WarmupDecaySchedule", "lr_at", "rewarm_scale"]
 
 
 def rewarm_scale(step: int, rewarm: tuple[int, int, float] | None) -> float:

@@ -17,12 +17,12 @@ from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import resolve_norm_position
 from megapost.model import ModelConfig
 from megapost.plan import precision_from_ds_config
-from megapost.plan.collapse_law import load_law, run_factors
-from megapost.plan.collapse_risk import collapse_risk
+from megapost.plan.collapse_risk import collapse_risk, delayed_collapse_risk
 from megapost.plan.counts import parameter_counts
 from megapost.plan.memory import async_save_host_bytes
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
 from megapost.plan.throughput import Cluster
+from megapost.study.boundary_law import load_law, run_factors
 
 GiB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
@@ -56,8 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=12, help="fitting layouts listed")
     g.add_argument("--json", action="store_true", help="print everything as JSON")
     g.add_argument("--collapse-law", "--collapse-boundary", dest="collapse_law", metavar="FILE", default=None,
-                   help="collapse-law fit of tools/fit_collapse_law.py for the collapse-risk line (default: "
+                   help="collapse-law fit of megapost-law boundary for the collapse-risk line (default: "
                    "$MEGAPOST_COLLAPSE_LAW, runs/collapse_law/law.json, else the shipped CPU fit)")
+    g.add_argument("--hazard-law", metavar="FILE", default=None,
+                   help="delayed-collapse (hazard) law of megapost-law fit for the delayed-collapse line "
+                   "(default: the shipped megapost/study/hazard_law_post.json)")
     return p
 
 
@@ -134,6 +137,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, memory_bytes=args.gpu_memory_gb * GiB,
                        cluster=cluster, margin=args.memory_margin, clip_grad=args.clip_grad,
                        reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
+                       distributed_optimizer=bool(args.use_distributed_optimizer),
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
     cands = [c for c in cands if _allowed(c.layout, args)]
@@ -165,6 +169,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                                         * min(args.gpus, args.gpus_per_node) / GiB if best else None),
         "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
                                        run_factors(args, cfg), args.lr),
+        "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
     }
 
 
@@ -207,6 +212,7 @@ def render(result: dict, top: int) -> str:
         lines.append(f"--async-save holds {result['async_save_host_gb_per_node']:.1f} GiB of host memory per "
                      "node (pinned; fp32 master + Adam moments of each rank's shard, one buffer per rank)")
     lines.append(result["collapse_risk"]["line"])
+    lines.append(result["delayed_collapse"]["line"])
     return "\n".join(lines)
 
 

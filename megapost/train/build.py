@@ -29,6 +29,7 @@ from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
+from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.optim import hooks as optim_hooks
 from megapost.optim.ds_config import build_ds_config
 from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
@@ -142,10 +143,14 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                  checkpoint_num_layers=run.checkpoint_num_layers,
                                  z_loss=config.optimizer.z_loss)
+    fusion = parse_fusion(run.kernel_fusion)
+    set_kernel_fusion(model, fusion)
     if run.compile:
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:
-            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
+            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps); "
+                  f"unmeasured on GPU since the kernel fusions (slower than eager on an H200 before them), "
+                  f"not recommended until benchmarks measure it faster (docs/kernels.md)")
     monitor = Monitor(log.tensorboard_dir, enabled=pstate.is_logging_rank,
                       max_queue=log.tensorboard_queue_size)
     plugins = build_plugins(prep.plugin_classes, config, pstate, monitor)
@@ -162,7 +167,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     interrupts.PROGRESS.state = trainer.state
     skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),
-                                run.max_consecutive_skipped_iterations)
+                                run.max_consecutive_skipped_iterations,
+                                fuse_grad_accumulation=fusion.on("grad-accum"))
     trainer.logger.skips = skips  # engine.step() returns its device flag (DeepSpeed's own step: its count)
     engine.skip_flag = None if skips.mode == "deepspeed" else skips.last
     kill_points.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # the soak's

@@ -35,7 +35,7 @@ def host_norms(norms: list[Any]) -> list[float | None]:
 
 def mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
     """``MFU 41.0% (causal 37.2%)``: Megatron's convention first; unknown without a peak."""
-    if peak_tflops <= 0:
+    if peak_tflops <= 0 or "mfu" not in perf:
         return "MFU unknown: pass --peak-tflops"
     if perf["mfu"] > 1.0:  # impossible: the peak it divides by is too low (warned once)
         return "MFU n/a (above 100%: the peak is too low)"
@@ -201,7 +201,7 @@ class TrainLogger:
         extra = "" if self.stats is None else self.stats.report(st.iteration, self.tokens_per_step,
                                                                  self.monitor, self.options)
         perf = self.throughput.report()
-        if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
+        if perf.get("mfu", 0.0) > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
             self._peak_warned = True
             self.monitor.line(f" warning: MFU {100 * perf['mfu']:.0f}% > 100%: the peak it divides by "
                               f"({self.throughput.peak_tflops:.4g} TFLOP/s/device) is too low, e.g. a CPU "

@@ -42,7 +42,7 @@ def add_guard_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-guard-remedy", default="lr*0.5", metavar="R",
                    help="lr*F | warmup*F | warmup | rewarm[*F[/W]] (warmup-restart) | law | skip")
     g.add_argument("--collapse-guard-law", metavar="FILE", default=None,
-                   help="the law remedy's fit (tools/fit_collapse_law.py; default: the planner's)")
+                   help="the law remedy's fit (megapost-law boundary; default: the planner's)")
     g.add_argument("--collapse-guard-retries", type=int, default=2, metavar="N",
                    help="rollbacks before the run stops")
     g.add_argument("--collapse-guard-interval", type=int, default=50, metavar="M",

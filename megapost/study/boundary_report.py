@@ -1,5 +1,6 @@
-"""The tables tools/fit_collapse_law.py prints: the law with its intervals, the factor table, the
-leave-one-out validation and the paper-180m test (the paper's bracket is a test, never data)."""
+"""The tables ``megapost-law boundary`` (megapost/study/boundary_cli.py) prints: the law with its
+intervals, the factor table, the leave-one-out validation and the paper-180m test (the paper's bracket
+is a test, never data)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,22 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from megapost.config.presets import PRESETS
-from megapost.plan.collapse_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
-from megapost.plan.collapse_law import FACTORS, INIT_CODE, Z95, Form, Law, exponents
-from megapost.plan.collapse_risk import UNINFORMATIVE
+from megapost.study.boundary_fit import NARROW, Probe, fit_law, groups, likelihood_ratio, varying
+from megapost.study.boundary_law import FACTORS, INIT_CODE, UNINFORMATIVE, Z95, Form, Law, exponents
+from megapost.study.report import PAPER_MIN_LR, PAPER_TRAIN_ITERS, PAPER_X
 
 PAPER_BRACKET = (6e-4, 8e-4)  # QUANTITIES.md: 6e-4 stable for 40,000 steps, 8e-4 collapsed (~step 2644)
 PAPER_VOCAB = 32000  # the Llama-2 tokenizer
+PAPER_SEQ, PAPER_HEADS = 2048, 4
 
 
 def paper_factors() -> dict[str, float]:
-    p = PRESETS["paper-180m"]
-    return {"width": p["hidden_size"], "depth": p["num_layers"], "warmup": p["lr_warmup_iters"],
-            "tokens_per_step": p["global_batch_size"] * p["seq_length"],
-            "decay_iters": p["train_iters"] - p["lr_warmup_iters"],
-            "seq": p["seq_length"], "vocab": PAPER_VOCAB, "heads": p["num_attention_heads"],
-            "init": INIT_CODE[p["init_variance"]]}
+    """The paper-180m run's factors (the preset's; tests/test_study_law.py checks them against it)."""
+    assert PAPER_MIN_LR == 0.0
+    return {"width": PAPER_X["width"], "depth": PAPER_X["depth"], "warmup": PAPER_X["warmup"],
+            "tokens_per_step": PAPER_X["tokens_per_step"],
+            "decay_iters": PAPER_TRAIN_ITERS - PAPER_X["warmup"],
+            "seq": PAPER_SEQ, "vocab": PAPER_VOCAB, "heads": PAPER_HEADS, "init": INIT_CODE["paper"]}
 
 
 def law_lines(law: Law) -> list[str]:

@@ -1,6 +1,6 @@
 """Fit the collapse law P(collapse | lr, x) over every probe's seed outcomes and write it for the planner.
 
-    python tools/fit_collapse_law.py megapost/plan/collapse_boundary_post.json /work/study/*/ \\
+    megapost-law boundary study/results/grid_w20/boundary.json study/results/warmup ... \\
         --out runs/collapse_law/law.json
 
 Inputs: ``results.csv`` files (or folders searched for them; one row per run, the columns of
@@ -8,9 +8,9 @@ Inputs: ``results.csv`` files (or folders searched for them; one row per run, th
 ``--defaults``) and tools/collapse_boundary.py JSONs (each probe's k/n at the file's settings). A run
 counts as collapsed by its ``collapsed`` column when there is one, else when it ended ``collapsed`` with
 a final first/last-layer gradient ratio <= --collapse-grad-ratio (the boundary's criterion). Only plain
-Post-Norm runs (variant ``post``) are fitted. The fit (``megapost.plan.collapse_fit``: probit MLE, forms
+Post-Norm runs (variant ``post``) are fitted. The fit (``megapost.study.boundary_fit``: probit MLE, forms
 by AIC, configuration bootstrap, residual scatter) is written atomically in the one schema of
-``megapost.plan.collapse_law``; printed: the forms compared, the factor table, the law, the leave-one-out
+``megapost.study.boundary_law``; printed: the forms compared, the factor table, the law, the leave-one-out
 validation (``--loo``) and the paper-180m test (never data: the paper's runs are GPU runs at 180M).
 """
 
@@ -24,11 +24,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from law_report import aside_lines, factor_table, law_lines, loo_table, paper_test
-
 from megapost.config.errors import ConfigError
-from megapost.plan.collapse_fit import Probe, fit_law, make_probe, separable
-from megapost.plan.collapse_law import DEFAULT_LAW, FACTORS, INIT_CODE, save_law
+from megapost.study.boundary_fit import Probe, fit_law, make_probe, separable
+from megapost.study.boundary_law import DEFAULT_LAW, FACTORS, INIT_CODE, save_law
+from megapost.study.boundary_report import aside_lines, factor_table, law_lines, loo_table, paper_test
 
 ALIASES = {"width": ("width", "hidden", "hidden_size"), "depth": ("depth", "layers", "num_layers"),
            "warmup": ("warmup", "lr_warmup_iters"), "iters": ("iters", "train_iters"),
@@ -40,7 +39,8 @@ OLD_STUDY_DEFAULTS = {"vocab": 2048.0, "heads": 4.0, "init": 0.0}  # tools/colla
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="megapost-law boundary", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="results.csv files, folders holding them, boundary JSONs")
     p.add_argument("--out", default=str(DEFAULT_LAW), help="the fit JSON (written atomically)")
     p.add_argument("--defaults", default="", metavar="F=V,...",
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     law = fit_law(probes, draws=args.draws, seed=args.seed, ignore=ignored)
     law.criterion = (f"outcome.py collapsed with final first/last-layer gradient ratio <= "
                      f"{args.collapse_grad_ratio:g} (or the CSV's collapsed column)")
-    law.provenance.update(sources=sources, tool="tools/fit_collapse_law.py",
+    law.provenance.update(sources=sources, tool="megapost-law boundary",
                           created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     print("\n".join(law_lines(law)))
     checks, lines = aside_lines(law, aside, held)

@@ -1,4 +1,4 @@
-"""Maximum-likelihood fit of the collapse law (``megapost.plan.collapse_law``) to every probe's seed
+"""Maximum-likelihood fit of the collapse law (``megapost.study.boundary_law``) to every probe's seed
 outcomes, numpy only.
 
 A probe is one (configuration x, lr) with k of n seeds collapsed. The probit GLM
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megapost.plan.collapse_law import ALT_DELTA_AIC, FACTORS, LOG_FACTORS, WARMUP_FORMS, Branch, Form, Law
+from megapost.study.boundary_law import ALT_DELTA_AIC, FACTORS, LOG_FACTORS, WARMUP_FORMS, Branch, Form, Law
 
 W0_GRID = (1.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 RIDGE = 1e-6

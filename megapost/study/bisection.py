@@ -11,7 +11,7 @@ Fit: log lr* = a + b log d + c log L by least squares over the points with a fin
 by Monte Carlo over the brackets: each draw puts every point's log lr* uniformly in its bracket and
 refits; the 2.5/97.5 % quantiles of b and c are their intervals, and the stored draws give any
 prediction's interval (``predict``). This midpoint fit is the bisection's own summary; the planner's law
-is the maximum-likelihood fit over every probe's seeds (tools/fit_collapse_law.py reads boundary.json).
+is the maximum-likelihood fit over every probe's seeds (megapost-law boundary reads boundary.json).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The collapse law: ONE schema of a fitted Post-Norm collapse boundary, written by
-``tools/fit_collapse_law.py`` (fitting: ``megapost.plan.collapse_fit``) and read by the planner's
+``megapost-law boundary`` (fitting: ``megapost.study.boundary_fit``) and read by the planner's
 collapse-risk line and the guard's ``law`` remedy (through ``megapost.plugin_api``).
 
 The law. For a run with factors x (width, depth, warmup, tokens per step, decay_iters = the train iters
@@ -51,10 +51,11 @@ INIT_CODE = {"paper": 0.0, "std": 1.0}
 WARMUP_FORMS = ("none", "log1p", "sat")
 ALT_DELTA_AIC = 2.0
 Z95 = 1.959963984540054
+UNINFORMATIVE = 10.0  # an interval wider than this ratio: no P(collapse), the term it cannot see past
 
 DEFAULT_LAW = Path("runs") / "collapse_law" / "law.json"
-SHIPPED_LAW = Path(__file__).with_name("collapse_law_post.json")  # tools/fit_collapse_law.py's CPU fit
-SHIPPED_LABEL = "megapost/plan/collapse_law_post.json, shipped: CPU study"
+SHIPPED_LAW = Path(__file__).with_name("boundary_law_post.json")  # megapost-law boundary's CPU fit
+SHIPPED_LABEL = "megapost/study/boundary_law_post.json, shipped: CPU study, failure-to-start law"
 ENV = "MEGAPOST_COLLAPSE_LAW"
 
 
@@ -197,16 +198,11 @@ class Law:
              "level": self.level, "box": self.box, "fixed": self.fixed,
              "alternatives": [a.as_dict() for a in self.alternatives], "forms": self.forms,
              "provenance": self.provenance}
-        if self.validation is not None:
-            d["validation"] = self.validation
-        return d
+        return with_validation(d, self.validation)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Law:
-        if d.get("schema") != SCHEMA or d.get("version") != VERSION:
-            raise ValueError(f"schema {d.get('schema')!r} version {d.get('version')!r}, expected "
-                             f"{SCHEMA!r} version {VERSION}")
-        box = {f: [float(a), float(b)] for f, (a, b) in d["box"].items()}
+        box = read_box(d, SCHEMA, VERSION)
         missing = [f for f in FACTORS if f not in box]
         if missing:
             raise ValueError(f"box lacks {missing}")
@@ -214,6 +210,20 @@ class Law:
                    d["placement"], d.get("criterion", ""), float(d["level"]),
                    [Branch.from_dict(a) for a in d.get("alternatives", [])], list(d.get("forms", [])),
                    dict(d["provenance"]), d.get("validation"))
+
+
+def with_validation(d: dict[str, Any], validation: dict[str, Any] | None) -> dict[str, Any]:
+    if validation is not None:
+        d["validation"] = validation
+    return d
+
+
+def read_box(d: Mapping[str, Any], schema: str, version: int) -> dict[str, list[float]]:
+    """A law JSON's box, after checking its schema and version (ValueError naming both)."""
+    if d.get("schema") != schema or d.get("version") != version:
+        raise ValueError(f"schema {d.get('schema')!r} version {d.get('version')!r}, expected "
+                         f"{schema!r} version {version}")
+    return {f: [float(a), float(b)] for f, (a, b) in d["box"].items()}
 
 
 def _g(factor: str, v: float) -> str:
@@ -252,13 +262,13 @@ def load_law(path: str | None, flag: str = "--collapse-law") -> tuple[Law | None
     chosen = path or os.environ.get(ENV) or next(
         (str(f) for f in (DEFAULT_LAW, SHIPPED_LAW) if f.is_file()), None)
     if chosen is None:
-        return None, "no collapse-law fit (run tools/fit_collapse_law.py, or pass --collapse-law FILE)"
+        return None, "no collapse-law fit (run megapost-law boundary, or pass --collapse-law FILE)"
     try:
         data = json.loads(Path(chosen).read_text(encoding="utf-8"))
         law = Law.from_dict(data)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise ConfigError(f"{flag} {chosen}: not a tools/fit_collapse_law.py fit ({type(e).__name__}: {e}); "
-                          "refit with tools/fit_collapse_law.py") from None
+        raise ConfigError(f"{flag} {chosen}: not a megapost-law boundary fit ({type(e).__name__}: {e}); "
+                          "refit with megapost-law boundary") from None
     return law, SHIPPED_LABEL if chosen == str(SHIPPED_LAW) else chosen
 
 
