@@ -33,6 +33,12 @@ setup(
         "console_scripts": [
             "megapost-pretrain=megapost.pretrain:main",
             "megapost-law=megapost.study.__main__:main",
+            "megapost-preprocess=megapost.data.commands:preprocess_main",
+            "megapost-train-tokenizer=megapost.data.commands:train_tokenizer_main",
+            "megapost-prepare-data=megapost.data.commands:prepare_data_main",
+            "megapost-plan=megapost.plan.__main__:main",
+            "megapost-export-hf=megapost.checkpoint.hf_command:export_hf_main",
+            "megapost-sweep=megapost.tool_scripts:sweep",
         ],
         "megapost.plugins": [
             "collapse_metrics=collapse_metrics.plugin:CollapseMetricsPlugin",

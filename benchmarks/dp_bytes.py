@@ -52,7 +52,7 @@ def _count(shape: tuple) -> list[dict[str, Any]]:
         trainer.train_step(1)
         with CollectiveBytes() as c:
             trainer.train_step(2)
-        stage = trainer.engine.zero_optimization_stage()
+        stage = trainer.engine.ds.zero_optimization_stage()
         micro = shape[6]
         planned = comm_parts(cfg, Layout(1, 1, WORLD, stage, micro, accum), micro * accum * WORLD,
                              bf16=True)["dp"]

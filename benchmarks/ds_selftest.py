@@ -26,7 +26,7 @@ def main() -> None:
         times = []
         for _ in range(b.repeats):
             start = time.perf_counter()
-            problem = selftest.run(trainer.engine)
+            problem = selftest.run(trainer.engine.ds)
             times.append(time.perf_counter() - start)
             assert problem is None, problem
         print(f"{name}: self-test {1e3 * statistics.median(times):.2f} ms (median of {b.repeats}; "

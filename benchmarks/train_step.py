@@ -33,9 +33,9 @@ import torch
 from bench_common import add_model_args, build_trainer, synthetic_batches
 
 from megapost.config.resolved import OptimizerConfig
-from megapost.engine.optimizer import build_optimizer
 from megapost.metrics.peak_flops import measure_matmul_tflops
 from megapost.model import LlamaModel, ModelConfig, lm_loss
+from megapost.optim.optimizer import build_optimizer
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

@@ -14,12 +14,12 @@
 #
 #   bash examples/collapse_toy.sh                       # both runs, then figures
 #   ITERS=300 LR=2e-2 bash examples/collapse_toy.sh     # any of the variables below
-# Figures: docs/figures/collapse_toy_{post,pre}/ (tools/plot_collapse.py), runs in runs/collapse_toy/.
+# Figures: runs/collapse_toy/figures/collapse_toy_{post,pre}/ (tools/plot_collapse.py; FIG_ROOT to choose), runs in runs/collapse_toy/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUN_ROOT=${RUN_ROOT:-runs/collapse_toy}
-FIG_ROOT=${FIG_ROOT:-docs/figures/collapse_toy}
+FIG_ROOT=${FIG_ROOT:-$RUN_ROOT/figures/collapse_toy}  # FIG_ROOT=docs/figures/collapse_toy refreshes the tracked ones
 source examples/toy_settings.sh
 
 read -r DATA TOKENIZER < <(python - <<'PY'

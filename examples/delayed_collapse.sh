@@ -33,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUN_ROOT=${RUN_ROOT:-runs/delayed_collapse}
-FIG_ROOT=${FIG_ROOT:-docs/figures/delayed_collapse}
+FIG_ROOT=${FIG_ROOT:-$RUN_ROOT/figures/delayed_collapse}  # FIG_ROOT=docs/figures/delayed_collapse refreshes the tracked ones
 LAYERS=${LAYERS:-4}
 LR=${LR:-3e-2}
 WARMUP=${WARMUP:-200}

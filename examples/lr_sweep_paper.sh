@@ -18,7 +18,7 @@
 #       bash examples/lr_sweep_paper.sh
 #   NUM_GPUS=8 HOSTFILE=hostfile NORMS="post pre" LRS="8e-4 1.2e-3" bash examples/lr_sweep_paper.sh
 # Each run writes runs/paper_lr<lr>_<norm>/{tensorboard,checkpoints}; afterwards
-#   python tools/plot_collapse.py --run-dir runs/paper_lr8e-4_post/tensorboard --out docs/figures/paper_lr8e-4_post
+#   python tools/plot_collapse.py --run-dir runs/paper_lr8e-4_post/tensorboard --out runs/paper_lr8e-4_post/figures
 #   python tools/frequency_loss.py --data-path "$DATA" --tokenizer-model "$TOKENIZER" --tokens 500000000
 set -euo pipefail
 

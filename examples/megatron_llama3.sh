@@ -1,7 +1,7 @@
 #!/bin/bash
 # Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (NVIDIA/Megatron-LM, d98e8a6), adapted to
 # megapost and shrunk to a model that trains on 2 CPU cores. Its flags are Megatron's, unchanged;
-# megapost accepts, maps or notes each one at start-up (docs: README "Coming from Megatron-LM").
+# megapost accepts, maps or notes each one at start-up (docs/flags.md, "Coming from Megatron-LM").
 # What differs from the original, and why:
 #   - sizes: 2 layers x 64 (4 heads, 2 KV groups), seq 64, 4 x 16 samples, 1 rank (GPUS_PER_NODE=1);
 #   - DTYPE=bf16 instead of fp8 (megapost has no fp8; its --fp8-* flags are refused in one line);

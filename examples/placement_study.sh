@@ -19,16 +19,16 @@
 #   PHASE=delayed bash examples/placement_study.sh   # + the delayed settings over PHASE_LRS x PHASE_WARMUPS:
 #                                                     # one phase-diagram panel per variant (60 runs, ~22 min;
 #                                                     # PHASE=toy: the toy settings, ~2.5 h on 2 shared cores)
-# Outputs: $OUT.md, $OUT.csv, $OUT.png (default docs/figures/placement_study.*), runs in $RUN_ROOT.
+# Outputs: $OUT.md, $OUT.csv, $OUT.png (default $RUN_ROOT/placement_study.*), runs in $RUN_ROOT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUN_ROOT=${RUN_ROOT:-runs/placement_study}
-OUT=${OUT:-docs/figures/placement_study}
+OUT=${OUT:-$RUN_ROOT/placement_study}  # OUT=docs/figures/placement_study refreshes the tracked ones
 VARIANTS=${VARIANTS:-post,pre,sandwich,deepnorm,mix,hybrid,pre-scaled,dyt,post+qk-norm,post+z-loss=1e-4}
 DELAYED_VARIANTS=${DELAYED_VARIANTS-$VARIANTS}  # empty: skip the delayed configurations
 DELAYED_WARMUPS=${DELAYED_WARMUPS:-200,100}
-DELAYED_SEED=${DELAYED_SEED:-4}  # the seed the README's placement table was measured at
+DELAYED_SEED=${DELAYED_SEED:-4}  # the seed docs/placement_comparison.md's table was measured at
 JOBS=${JOBS:-2}
 source examples/toy_settings.sh
 PHASE=${PHASE:-}  # toy or delayed: that configuration over PHASE_LRS x PHASE_WARMUPS too (off: costly)

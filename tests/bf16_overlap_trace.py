@@ -60,7 +60,7 @@ def _traced_step(self: Any, step: int, original: Any, out: dict[str, Any]) -> An
     from megapost.ds_adapter import overlap as ds_overlap
     from megapost.model import TransformerBlock
 
-    engine, events = self.engine, out["events"]
+    engine, events = self.engine.ds, out["events"]  # DeepSpeed's engine
     overlap = ds_overlap.installed(engine)
     saved_reduce, saved_backward = dist.all_reduce, engine.backward
     saved_step = engine.optimizer.optimizer.step
@@ -108,7 +108,7 @@ def train(argv: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
     from step_patch import train_with_step
 
-    from megapost.engine.accessors import owned_master
+    from megapost.optim.accessors import owned_master
     from megapost.parallel import full_state_dict
 
     out: dict[str, Any] = {"events": [], "buckets": []}
@@ -119,7 +119,7 @@ def train(argv: list[str]) -> dict[str, Any]:
         return _traced_step(self, step, original, out)
 
     trainer, history = train_with_step(argv, train_step)
-    engine, pstate = trainer.engine, trainer.pstate
+    engine, pstate = trainer.engine.ds, trainer.pstate
     masters = {}
     for name, p in engine.module.named_parameters():
         m = owned_master(p, pstate.tp_rank, pstate.dp_rank)

@@ -92,7 +92,7 @@ def poisoned_moment(argv: list[str]) -> str | None:
     real = CheckpointManager.save
 
     def save(self: CheckpointManager) -> None:
-        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
         state = next(iter(base.state.values()))
         state["exp_avg"].view(-1)[0] = float("nan")
         real(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,6 +84,39 @@ def no_process_group_left_behind():
         dist.destroy_process_group()
     assert not leaked, "this test left a torch.distributed process group initialised"
     assert os.environ.get("RANK") == rank, "this test left RANK set in the environment"
+
+
+LAUNCHES = ("megapost.pretrain", "deepspeed", "torchrun", "srun", "examples/", "tools/", "benchmarks/")
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier stays fast (docs/testing.md): a test that starts a trainer run, a launcher, a tool
+    or a set of ranks (tests/dist_utils.run_ranks) must be marked ``integration`` (or ``slow``)."""
+    if request.node.get_closest_marker("integration") or request.node.get_closest_marker("slow"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(what: str) -> None:
+        pytest.fail(f"{request.node.nodeid} starts {what}: mark it @pytest.mark.integration "
+                    f"(docs/testing.md)", pytrace=False)
+
+    popen_init, start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def checked_popen(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:
+        cmd = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        if any(word in cmd for word in LAUNCHES):
+            refuse(f"`{cmd[:100]}`")
+        popen_init(self, args, *rest, **kw)
+
+    def checked_start(self: multiprocessing.process.BaseProcess) -> None:
+        if getattr(getattr(self, "_target", None), "__name__", "") == "_rank_main":
+            refuse("ranks (run_ranks)")
+        start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)
 
 
 @pytest.fixture(scope="session")

@@ -135,7 +135,7 @@ def run_case(case: Case) -> dict[str, Any]:
     with contextlib.redirect_stdout(out):
         trainer = build(Prepared(prep.args, prep.model, prep.user_ds, [InjectNonFinite]))
         plugin = trainer.plugins[0]
-        InjectNonFinite.engine = trainer.engine
+        InjectNonFinite.engine = trainer.engine.ds  # DeepSpeed's engine
         try:
             trainer.train()
         except FloatingPointError as e:

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from megapost.config.arguments import parse_args
 from megapost.config.resolved import engine_config
-from megapost.engine.ds_config import build_ds_config
 from megapost.model import lm_loss
 from megapost.model import loss as loss_mod
 from megapost.model.norm import RMSNorm
+from megapost.optim.ds_config import build_ds_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

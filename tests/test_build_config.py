@@ -17,10 +17,10 @@ import torch
 
 from megapost.config.errors import ConfigError
 from megapost.config.resolved import resolve
-from megapost.engine.ds_config import build_ds_config
-from megapost.engine.grad_reduce import configure_grad_reduction, overlap_bucket
-from megapost.engine.optimizer import build_optimizer
 from megapost.metrics.monitor import Monitor
+from megapost.optim.ds_config import build_ds_config
+from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
+from megapost.optim.optimizer import build_optimizer
 from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Flags, Plugin
 from megapost.train.build import build_plugins
@@ -111,7 +111,7 @@ def test_unknown_optimizer_is_refused_in_one_line(tiny_data) -> None:
 
 
 # ---- the Namespace stops at the composition root ------------------------------------------------------
-BELOW_THE_ROOT = ["megapost/checkpoint", "megapost/engine", "megapost/runtime", "megapost/metrics",
+BELOW_THE_ROOT = ["megapost/checkpoint", "megapost/optim", "megapost/runtime", "megapost/metrics",
                   "megapost/train", "megapost/plan/__init__.py", "megapost/plugin_api.py",
                   "plugins/collapse_metrics/plugin.py", "plugins/collapse_metrics/guard.py",
                   "plugins/collapse_metrics/autopsy.py"]

@@ -24,6 +24,7 @@ def _argv(data, ckpt, **flags) -> list[str]:
                                                         **flags})]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_node_local_save_is_refused_in_one_line(tmp_path) -> None:
     shared, local = zip(*run_ranks(shared_check, 2, str(tmp_path), timeout=300), strict=True)
@@ -33,6 +34,7 @@ def test_node_local_save_is_refused_in_one_line(tmp_path) -> None:
                                "rank 1 cannot read the file rank 0 wrote there") and "\n" not in line
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_failed_background_write_reaches_every_rank_at_the_next_step(tiny_data, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
@@ -51,6 +53,7 @@ def test_failed_background_write_reaches_every_rank_at_the_next_step(tiny_data, 
     assert (ckpt / "latest").read_text() == "iter_0000002" and not (ckpt / "iter_0000004").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_retention_after_a_rollback(tiny_data, tmp_path) -> None:
     # saves at 2, 4, 6, 8 (keep 2: 6, 8 left); after 8 back to the snapshot of 3; then 4 is saved again:
@@ -67,6 +70,7 @@ def test_retention_after_a_rollback(tiny_data, tmp_path) -> None:
     assert (ckpt / "latest").read_text() == "iter_0000010"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
@@ -75,6 +79,7 @@ def test_the_finite_check_covers_the_optimizer_state_written(tiny_data, tmp_path
     assert not (ckpt / "latest").exists() and not list(ckpt.glob("iter_*"))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_an_async_save_checks_the_snapshot_it_writes(tiny_data, tmp_path) -> None:
     # the finite check of --async-save runs in the writer thread on the host copy it writes (not on the
@@ -88,6 +93,7 @@ def test_an_async_save_checks_the_snapshot_it_writes(tiny_data, tmp_path) -> Non
     assert not (ckpt / "latest").exists() and not (ckpt / "iter_0000002").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # a DP4 save, two DP4 and two DP3 resumes on 2 cores: ~5 min (10 on a loaded box)
 def test_resume_reads_its_own_shard_at_the_same_layout_and_its_fragments_at_another(tiny_data,
                                                                                      tmp_path) -> None:

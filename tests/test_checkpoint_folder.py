@@ -142,6 +142,7 @@ def _run(data, ckpt: Path, **flags) -> str:
                                               **flags})).stdout
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_retention_after_resume_from_older_tag_and_finetune(tiny_data, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"

@@ -56,6 +56,7 @@ def _state_bytes(tag: Path) -> int:
     return 12 * sum(math.prod(s) for s in shapes.values())
 
 
+@pytest.mark.integration
 def test_async_save_retention_kill9_and_exact_resume(tiny_data, tmp_path) -> None:
     # 10 async saves, --save-retain 3: exactly the newest 3 complete tags remain; one copy on disk
     ref = tmp_path / "ref"
@@ -95,6 +96,7 @@ def test_async_save_retention_kill9_and_exact_resume(tiny_data, tmp_path) -> Non
     assert _tags(ckpt) == ["iter_0000002", "iter_0000006"]  # the torn temp tag was removed
 
 
+@pytest.mark.integration
 def test_async_snapshot_is_taken_before_the_next_optimizer_step(tiny_data, tmp_path) -> None:
     # the background thread copies the state while step 3 runs; MEGAPOST_SLOW_SNAPSHOT stalls that copy
     # after its first tensor for 2 s, so without the wait at the optimizer step the rest of iteration 2's
@@ -111,6 +113,7 @@ def test_async_snapshot_is_taken_before_the_next_optimizer_step(tiny_data, tmp_p
     assert sorted(resumed) == [3, 4] and all(resumed[s] == expected[s] for s in resumed)
 
 
+@pytest.mark.integration
 def test_megatron_load_flags(tiny_data, tmp_path) -> None:
     """--finetune: the weights only (iteration 0, fresh schedule); --no-load-optim: the iteration goes
     on, optimizer and schedule start fresh (Megatron's meaning); --no-load-rng with it."""
@@ -130,6 +133,7 @@ def test_megatron_load_flags(tiny_data, tmp_path) -> None:
     assert sorted(_losses(cont)) == [4, 5] and read_scalars(cont, "train/lr")[4] == lr_fresh[1]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("bf16", [False, True])
 def test_sgd_momentum_resume_is_bit_exact(tiny_data, tmp_path, bf16) -> None:

@@ -82,6 +82,7 @@ def _allowed() -> set[str]:
 
 
 # ---------------------------------------------------------------------------- 1. no code on --load
+@pytest.mark.integration
 def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt_ds, tmp_path) -> None:
     """DeepSpeed's pickled files (--ckpt-format deepspeed) go through the allowlist (megapost's own
     format is safetensors and JSON only: nothing there can run code)."""
@@ -107,6 +108,7 @@ def test_crafted_checkpoint_never_runs_its_payload(tiny_data, ckpt_ds, tmp_path)
     assert marker.is_dir()  # what --trust-checkpoint would have done: the documented danger
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_resume_is_bit_exact_and_files_are_weights_only(tiny_data, tmp_path) -> None:
     """bf16, ZeRO-1: 4 steps == 2 steps + resume + 2 steps; every file holds allowlisted globals only
@@ -127,6 +129,7 @@ def test_resume_is_bit_exact_and_files_are_weights_only(tiny_data, tmp_path) -> 
 
 
 # ---------------------------------------------------------------------------- 2. never a NaN checkpoint
+@pytest.mark.integration
 def test_non_finite_state_is_never_saved(tiny_data, tmp_path) -> None:
     """SGD at ZeRO-0 fp32 (the one path where a non-finite gradient is not skipped: tests/test_skip_step.py)
     diverges to non-finite weights, which are never saved."""
@@ -158,6 +161,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.integration
 def test_full_disk_leaves_no_torn_tag_and_names_the_last_complete_one(tiny_data, ckpt) -> None:
     stale = ckpt / "iter_0000003.tmp"  # a save that crashed: ignored on load, removed by the next save
     stale.mkdir()
@@ -205,6 +209,7 @@ def test_no_space_left_on_device_is_one_line(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------- 4. one-line errors
+@pytest.mark.integration
 def test_checkpoint_of_another_model_is_refused_naming_both_shapes(tiny_data, ckpt) -> None:
     msg = _error(_flags(tiny_data, **{"--load": ckpt, "--hidden-size": 128}))
     assert "2 layers x 64 hidden, ffn 128, 4 heads, vocab 512, post-norm" in msg
@@ -218,6 +223,7 @@ def test_checkpoint_of_another_model_is_refused_naming_both_shapes(tiny_data, ck
         "3 layers x 64 hidden" in msg and "--run-name" in msg
 
 
+@pytest.mark.integration
 def test_broken_checkpoint_files_are_one_line(tiny_data, ckpt, ckpt_ds) -> None:
     flags = _flags(tiny_data, **{"--train-iters": 4, "--load": ckpt})
     meta = ckpt / "iter_0000002" / META_FILE
@@ -256,6 +262,7 @@ def test_non_positive_counts_are_one_line(tiny_data, flag, value) -> None:
     assert f"{flag} {value}: must be" in _error(tiny_model_flags(tiny_data, **{flag: value}))
 
 
+@pytest.mark.integration
 def test_bad_layout_is_printed_once_by_the_launcher(tiny_data, tmp_path) -> None:
     """TP 3 on 3 ranks with 4 heads: one line from one rank, before any process group forms."""
     flags = tiny_model_flags(tiny_data, **{"--tensor-model-parallel-size": 3, "--global-batch-size": 2,

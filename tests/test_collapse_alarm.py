@@ -39,6 +39,7 @@ def _alarm_run(tiny_data, norm: str, out) -> tuple[list[dict], str]:
     return [r for r in steps if "loss" in r], proc.stdout + proc.stderr
 
 
+@pytest.mark.integration
 def test_alarm_flags_collapsed_post_norm_not_its_pre_norm_twin(tiny_data, tmp_path):
     post, post_log = _alarm_run(tiny_data, "post", tmp_path / "post")
     pre, pre_log = _alarm_run(tiny_data, "pre", tmp_path / "pre")

@@ -93,6 +93,7 @@ def test_attention_entropy_is_that_of_the_causal_softmax(tiny_data, tmp_path):
     assert norms["logit_norm"] > 0 and norms["head_weight_norm"] > 0 and norms["xh_norm"] > 0
 
 
+@pytest.mark.integration
 def test_autopsy_rewinds_on_the_alarm_and_measures_every_step(tiny_data, tmp_path):
     flags = tiny_model_flags(tiny_data, **{
         "--norm-position": "post", "--num-layers": 12, "--hidden-size": 32, "--ffn-hidden-size": 96,

@@ -75,6 +75,7 @@ def test_remedy_parsing():
         Remedy.parse("lr/2")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_healthy_run_does_not_warn(tiny_data, tmp_path, norm):
     """Pre-Norm: the warning is off (its residual stream grows by design); a healthy Post-Norm run is
@@ -91,6 +92,7 @@ def test_healthy_run_does_not_warn(tiny_data, tmp_path, norm):
         assert not read_scalars(tmp_path, "collapse/alarm/early_warning_at_step")  # never went on
 
 
+@pytest.mark.integration
 def test_guard_rolls_back_exactly_and_retries_are_bounded(tiny_data, tmp_path):
     # remedy lr*1 (none): after the rollback the run replays bit for bit, collapses at the same step,
     # and with --collapse-guard-retries 1 the second alarm stops it with one line
@@ -122,6 +124,7 @@ def _split_at_rollback(recs: list[dict]) -> tuple[dict, dict, dict]:
             {r["step"]: r for r in recs[cut:] if "loss" in r})
 
 
+@pytest.mark.integration
 def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
     out = tmp_path / "lr"
     proc = _run(tiny_data, out, check=False, **_guard("lr*0.1"))
@@ -137,7 +140,7 @@ def test_guard_remedy_changes_the_rerun(tiny_data, tmp_path):
 def test_rewarm_scale_and_schedule():
     import torch
 
-    from megapost.engine.schedule import WarmupDecaySchedule, rewarm_scale
+    from megapost.optim.schedule import WarmupDecaySchedule, rewarm_scale
 
     assert rewarm_scale(9, (10, 4, 0.2)) == 1.0 and rewarm_scale(10, (10, 4, 0.2)) == pytest.approx(0.2)
     assert rewarm_scale(12, (10, 4, 0.2)) == pytest.approx(0.2 + 0.8 * 2 / 4)
@@ -150,6 +153,7 @@ def test_rewarm_scale_and_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx((1 - 7 / 100) * (0.1 + 0.9 * 2 / 10))
 
 
+@pytest.mark.integration
 def test_guard_rewarm_ramps_the_lr_from_the_rollback(tiny_data, tmp_path):
     """rewarm*0.1/4 at constant lr 0.1: the re-run steps train at 0.01, 0.0325, 0.055, 0.0775, then 0.1."""
     out = tmp_path / "rewarm"
@@ -169,6 +173,7 @@ def test_guard_rewarm_ramps_the_lr_from_the_rollback(tiny_data, tmp_path):
     assert after[back + 2]["loss"] != before[back + 2]["loss"]
 
 
+@pytest.mark.integration
 def test_guard_skip_moves_on_in_the_data(tiny_data, tmp_path):
     out = tmp_path / "skip"
     proc = _run(tiny_data, out, check=False, **_guard("skip"))
@@ -179,6 +184,7 @@ def test_guard_skip_moves_on_in_the_data(tiny_data, tmp_path):
     assert after[guard["to_step"] + 1]["loss"] != before[guard["to_step"] + 1]["loss"]
 
 
+@pytest.mark.integration
 def test_guard_refuses_zero1(tiny_data, tmp_path):
     proc = _run(tiny_data, tmp_path, check=False, **{"--collapse-guard": True, "--zero-stage": 1})
     assert proc.returncode != 0

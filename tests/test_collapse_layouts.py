@@ -11,6 +11,8 @@ import pytest
 from collapse_helpers import assert_close
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 REL = 1e-4  # a few Adam steps in fp32 under different reduction orders
 ITERS = 3
 LAYOUTS = {  # name: (processes, extra flags)

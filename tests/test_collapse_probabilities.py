@@ -133,6 +133,8 @@ def test_sweep_resumes_without_running_and_writes_probabilities(tiny_data, tmp_p
 
 
 def test_bisection_brackets_the_threshold_and_the_fit_recovers_the_law():
+    """Noise-free outcomes (a step at the threshold): the bookkeeping of the bisection and the algebra of
+    the midpoint fit (exact data, exact exponents). The statistics are the next test's."""
     points = []
     for w in (32, 64, 128):
         for d in (2, 4, 8):
@@ -145,13 +147,40 @@ def test_bisection_brackets_the_threshold_and_the_fit_recovers_the_law():
             points.append(b)
     fit = fit_power_law(points)
     assert fit["b_width"] == pytest.approx(-0.5, abs=0.02) and fit["c_depth"] == pytest.approx(-1.0, abs=0.02)
-    assert fit["b_interval"][0] < -0.5 < fit["b_interval"][1]
     pred = predict(fit, 2048, 24)
     assert pred["lr_star"] == pytest.approx(0.5 * 2048 ** -0.5 / 24, rel=0.1) and not pred["inside"]
     assert pred["interval"][0] < pred["lr_star"] < pred["interval"][1]
     below = Bracket(32, 2, 1e-3, 1e-2, lr_min=1e-3)
     below.record(1e-3, 2, 2)
     assert below.status == "below" and below.next_lrs() == []
+
+
+def test_bisection_under_seed_noise_recovers_the_exponents_within_their_standard_error():
+    """Outcomes drawn as the study sees them: each probe runs 8 seeds, each collapses with probability
+    Phi(log(lr / lr*) / 0.25) (scipy), lr* = 0.5 w^-0.5 d^-1. The fitted exponents must lie within 4
+    standard errors of the truth, the error of an ordinary least-squares slope computed here from the
+    brackets' own scatter around lr* (independent of fit_power_law). The fit's interval is the spread of
+    the bracket widths only, not of the seed noise: it is not asserted to cover the truth."""
+    rng, sigma, seeds = np.random.default_rng(0), 0.25, 8
+    widths, depths = (16, 32, 64, 128, 256), (2, 4, 8, 16)
+    points, errors = [], []
+    for w in widths:
+        for d in depths:
+            true = 0.5 * w ** -0.5 * d ** -1.0
+            b = Bracket(w, d, 1e-4, 1.0, steps=8)
+            for _ in range(14):
+                for lr in b.next_lrs():
+                    b.record(lr, int(rng.binomial(seeds, norm.cdf(math.log(lr / true) / sigma))), seeds)
+            assert b.status == "open" and abs(math.log(b.estimate / true)) < 4 * sigma
+            points.append(b)
+            errors.append(math.log(b.estimate / true))
+    fit = fit_power_law(points)
+    spread = float(np.std(errors, ddof=3))  # residual scale of log lr* about the law (3 coefficients)
+    sxx = lambda axis: len(points) / len(axis) * float(np.sum((np.log(axis) - np.log(axis).mean()) ** 2))
+    se = {"b_width": spread / math.sqrt(sxx(widths)), "c_depth": spread / math.sqrt(sxx(depths))}  # OLS
+    assert 0.005 < se["b_width"] < 0.1, se  # the outcomes were noisy, and not so noisy that anything fits
+    for key, truth in (("b_width", -0.5), ("c_depth", -1.0)):
+        assert abs(fit[key] - truth) <= 4 * se[key], (key, fit[key], se)
 
 
 @pytest.mark.parametrize("true", [4e-4, 4e-5, 0.35])

@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from launch_utils import pretrain
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 
 def _run(norm: str, prefix: str, tokenizer: str, out) -> tuple[list[dict], dict, str]:
     flags = {"--norm-position": norm, "--num-layers": 12, "--hidden-size": 64, "--ffn-hidden-size": 192,

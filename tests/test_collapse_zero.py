@@ -13,9 +13,11 @@ import torch
 from collapse_helpers import make_plugin, random_batches, small_config
 from dist_utils import run_ranks
 
-from megapost.engine import hooks as engine_hooks
 from megapost.model import lm_loss
+from megapost.optim import hooks as optim_hooks
 from megapost.train.plugin_binding import bind_plugins
+
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
 
 CONFIGS = [(0, False), (1, False), (2, False), (1, True), (2, True)]  # (ZeRO stage, bf16)
 
@@ -61,7 +63,7 @@ def train_configs() -> list[tuple[dict, dict]]:
             plugin.before_optimizer_step(1)
             reference.update(full_grad_norms(model))
 
-        engine_hooks.install(engine, before_step)
+        optim_hooks.install(engine, before_step)
         plugin.on_step_begin(1, engine.module)
         batches = random_batches(cfg, 4, batch=2, seed=1)[pstate.dp_rank::2]
         for batch in batches:

@@ -10,6 +10,8 @@ import pytest
 from collapse_helpers import assert_close
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 ITERS = 4
 TINY = {"--num-layers": 2, "--hidden-size": 32, "--ffn-hidden-size": 64, "--seq-length": 16,
         "--train-iters": ITERS, "--zero-stage": 1, "--lr-warmup-iters": 0}

@@ -61,6 +61,7 @@ def test_mismatched_tokenizer_is_refused_unless_allowed(tiny_data, other_tokeniz
     assert "training anyway (--allow-tokenizer-mismatch)" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_training_refuses_and_megatron_data_trains_with_a_note(tiny_data, other_tokenizer, tmp_path) -> None:
     """Through the real CLI: a one-line refusal; a dataset without sidecar (as Megatron-LM writes them)
     trains, with one note."""

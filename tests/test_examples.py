@@ -9,6 +9,8 @@ import pytest
 from dist_utils import free_port
 from launch_utils import read_scalars, run, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 
 def _flags(data) -> list[str]:
     return tiny_model_flags(data, **{"--train-iters": 4, "--eval-interval": 2, "--eval-iters": 1})

@@ -130,6 +130,7 @@ print(outcome.outcome, indicators["last_step"])
 """
 
 
+@pytest.mark.integration
 def test_reading_and_judging_a_run_imports_no_matplotlib(tmp_path: Path) -> None:
     """The JSONL reader (runs.py) and the outcome judge stay off matplotlib (only figures.py draws)."""
     from launch_utils import run

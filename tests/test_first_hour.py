@@ -95,6 +95,7 @@ def _data_flags(prefix: str, tokenizer: str) -> list[str]:
     return ["--data-path", prefix, "--tokenizer-model", tokenizer]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_resume_keeps_data_refuses_other_data_and_keeps_history(tiny_data, tmp_path) -> None:
     other = tmp_path / "other"
@@ -132,6 +133,7 @@ def test_resume_keeps_data_refuses_other_data_and_keeps_history(tiny_data, tmp_p
     assert record["launches"][-1]["data"]["data_path"] == [str(half)]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_megatron_script_fresh_save_load_under_torchrun_and_deepspeed(tmp_path) -> None:
     """examples/megatron_llama3.sh (Megatron's Llama flags): fresh --save X --load X, then a resume."""
@@ -187,6 +189,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_port_taken_during_the_corpus_build_still_one_line(tmp_path) -> None:
     """The first command on a fresh clone: `deepspeed --master_port P examples/pretrain_postnorm.sh` builds
@@ -227,6 +230,7 @@ def _env() -> dict[str, str]:
     return child_env()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_one_tensorboard_run_and_readme_tags_exist(tiny_data, tmp_path) -> None:
     flags = tiny_model_flags(tiny_data, **{"--tensorboard-dir": tmp_path / "tb", "--train-iters": 4,
@@ -241,9 +245,10 @@ def test_one_tensorboard_run_and_readme_tags_exist(tiny_data, tmp_path) -> None:
     tags = scalar_tags(tb)
     import re
 
-    readme = (REPO / "README.md").read_text()
+    readme = "\n".join(p.read_text() for p in (REPO / "README.md", *sorted(REPO.glob("docs/*.md"))))
     conditional = {"collapse/alerts", "collapse/state", "collapse/depth_profiles",  # text / image
-                   "collapse/heatmaps", "collapse/alarm/collapsed_at_step"}  # only once collapsed
+                   "collapse/heatmaps", "collapse/alarm/collapsed_at_step",  # only once collapsed
+                   "collapse/alarm/early_warning_at_step", "collapse/alarm/transition_at_step"}  # once warned
     named = set(re.findall(r"`(collapse/[a-z0-9_/]+)`", readme)) - conditional
     missing = {t for t in named if t not in tags and not any(x.startswith(t) for x in tags)}
     assert not missing, missing

@@ -15,7 +15,7 @@ from megapost.config.arguments import build_parser
 from megapost.config.errors import ConfigError
 from megapost.config.megatron_flags import CHOICES
 from megapost.config.resolved import resolve
-from megapost.engine.ds_config import build_ds_config
+from megapost.optim.ds_config import build_ds_config
 from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Flags, PluginContext, plugin_classes
 from megapost.train.prepare import prepare
@@ -26,7 +26,7 @@ VALUES: dict[str, list[str]] = {
     "--data-args-path": ["/nonexistent/args.txt"], "--per-split-data-args-path": ["/nonexistent/s.json"],
     "--plugins": ["collapse_metrics"], "--preset": ["paper-180m"],
     "--norm-position": ["pre"],  # without Megatron model flags the default resolves to post
-    "--collapse-layers": ["1,2"], "--collapse-guard-remedy": ["warmup"],
+    "--collapse-layers": ["1,2"], "--collapse-guard-remedy": ["warmup"], "--kernel-fusion": ["none"],
 }
 SKIP = {"-h", "--help"}
 # Flags that act only beside another one (a preset to override, a feature to tune): walked with it, on a

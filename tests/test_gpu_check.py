@@ -28,6 +28,7 @@ def test_collective_counter_counts_bytes_handed_to_a_real_group(tmp_path) -> Non
     assert (c.bytes, c.calls) == (4020, 2)
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # six checks at tiny shapes on CPU (the DP2 one on two gloo ranks): ~3-5 min
 def test_gpu_check_cpu_smoke_reports_every_check(tmp_path) -> None:
     out = tmp_path / "check.json"

@@ -195,6 +195,7 @@ def block_gradients(tp: int, groups: int, sp: bool) -> dict[str, torch.Tensor]:
             **full_state_dict(model, pstate)}
 
 
+@pytest.mark.integration
 def test_replicated_kv_over_two_slots_matches_one_process() -> None:
     """TP 4 with 2 K/V groups (each held by 2 ranks) under sequence parallelism: the loss, every gathered
     gradient (K/V summed within each pair of ranks) and the gradient norm equal the single process's."""
@@ -209,11 +210,13 @@ def test_replicated_kv_over_two_slots_matches_one_process() -> None:
             assert float((out[k] - ref[k]).abs().max()) <= 1e-5 * scale, k
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("spec, dp", GQA_LAYOUTS)
 def test_gqa_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
     check_layout_matches_single_process(spec, dp)
 
 
+@pytest.mark.integration
 def test_trainer_runs_gqa_and_prints_the_split(tiny_data) -> None:
     from launch_utils import pretrain, tiny_model_flags
 

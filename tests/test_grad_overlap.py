@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from overlap_trace import trace
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 
 def _last_micro_batch(events: list[str]) -> list[str]:
     """The events of the step's last micro-batch (its backward is where ZeRO reduces)."""

@@ -31,6 +31,7 @@ def _law_file(tmp_path, lr_star: float, placement: str = "post"):
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_law_remedy_rewarms_to_the_predicted_safe_peak(tiny_data, tmp_path):
     """12 x 32 at lr 0.1 without warmup collapses; with a law whose lr* is 0.01 the rollback re-warms to

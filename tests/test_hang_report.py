@@ -10,6 +10,7 @@ import signal
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
@@ -52,6 +53,7 @@ def _rank_1_freezes_then_lags() -> list[str] | None:
     return messages
 
 
+@pytest.mark.integration
 def test_survivor_names_the_collective_and_the_silent_rank() -> None:
     (frozen, lagging), _ = run_ranks(_rank_1_freezes_then_lags, 2, timeout=180)
     assert frozen.startswith("rank 0: all_reduce over ranks [0, 1] (called from tests/test_hang_report.py:")

@@ -59,6 +59,7 @@ def _greedy(model: LlamaModel, tokens: torch.Tensor, n: int) -> torch.Tensor:
     return tokens
 
 
+@pytest.mark.integration
 def test_export_prenorm_is_llama(tiny_data, tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -102,6 +103,7 @@ print(type(model).__name__)
 """
 
 
+@pytest.mark.integration
 def test_export_postnorm_remote_code(tiny_data, tmp_path) -> None:
     out, model = _train_and_export(tiny_data, tmp_path, "post", **{"--norm-position": "post",
                                                                    "--prefix-alpha": 0.3})
@@ -140,6 +142,7 @@ def _tiny_hf_llama(path: Path, vocab: int, **overrides) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
     from transformers import LlamaForCausalLM
 

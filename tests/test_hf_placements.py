@@ -142,6 +142,7 @@ def test_edited_rules_are_refused(tiny_data, tmp_path) -> None:
                        "table")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["dyt", "hybrid-gqa-prefix"])
 def test_load_hf_megapost_export_round_trip_tp2(tiny_data, tmp_path, case) -> None:

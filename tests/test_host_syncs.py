@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from host_sync_audit import ITERATIONS, count_syncs
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 SAME_DEVICE = (
     "to_cpu @ deepspeed/runtime/zero/stage_1_and_2.py",  # get_grad_norm_direct: .to(current_device_name())
     "to_cpu @ deepspeed/runtime/pipe/engine.py",  # _exec_load_micro_batch: .to(self.device) of the

@@ -1,5 +1,6 @@
-"""The import-linter contracts of pyproject.toml (run by ``make test``): kept by the tree as it is, and
-broken, naming the contract, by one bad import in a copy of it."""
+"""The import-linter contracts of pyproject.toml: ``make test`` runs lint-imports once on the tree (kept);
+here each contract is broken, naming it, by one bad import in a copy of the tree (integration tier: each
+case runs lint-imports in a subprocess)."""
 
 from __future__ import annotations
 
@@ -33,36 +34,44 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_contracts_kept() -> None:
-    proc = lint_imports(ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " broken" in proc.stdout and "0 broken" in proc.stdout
-
-
-@pytest.mark.parametrize(("module", "bad_import", "contract"), [
+BAD_IMPORTS = [  # (module, bad import, the contract it breaks): one copy of the tree holds them all
     ("megapost/model/norm.py", "import megapost.parallel.state",
      "model imports nothing of megapost but utils"),
     ("plugins/collapse_metrics/state.py", "import megapost.model.config",
      "collapse_metrics imports nothing of megapost but megapost.plugin_api"),
-    ("megapost/engine/schedule.py", "import megapost.checkpoint.io",
-     "engine never imports checkpoint or train"),
+    ("megapost/optim/schedule.py", "import megapost.checkpoint.io",
+     "optim never imports checkpoint or train"),
     ("megapost/ds_adapter/fragments.py", "import megapost.utils.atomic",
      "ds_adapter (DeepSpeed private API) imports nothing of megapost"),
-    ("megapost/study/hazard.py", "import megapost.engine.schedule",
+    ("megapost/study/hazard.py", "import megapost.optim.schedule",
      "study (torch-free) imports only config.errors and utils"),
-])
-def test_a_bad_import_breaks_its_contract(tree_copy: Path, module: str, bad_import: str,
-                                          contract: str) -> None:
-    path = tree_copy / module
-    original = path.read_text()
-    path.write_text(original + f"\n{bad_import}  # deliberately against the layering\n")
-    try:
-        proc = lint_imports(tree_copy)
-    finally:
-        path.write_text(original)
+]
+
+
+def broken_sections(stdout: str) -> dict[str, str]:
+    """Each broken contract's heading (its last line, if wrapped) -> its report, from lint-imports'
+    "Broken contracts" part: a heading is the line above a line of dashes."""
+    lines = stdout.split("Broken contracts", 1)[-1].splitlines()[2:]
+    dashes = lambda line: bool(line) and set(line) == {"-"}
+    heads = [i - 1 for i in range(1, len(lines)) if dashes(lines[i]) and lines[i - 1].strip()
+             and not dashes(lines[i - 1])]
+    return {lines[h].strip(): "\n".join(lines[h + 1:nxt]) for h, nxt in zip(heads, [*heads[1:], len(lines)],
+                                                                            strict=True)}
+
+
+@pytest.mark.integration
+def test_each_bad_import_breaks_its_own_contract(tree_copy: Path) -> None:
+    """One lint-imports run on a copy with four bad imports: each named contract is broken by its own."""
+    for module, bad_import, _ in BAD_IMPORTS:
+        path = tree_copy / module
+        path.write_text(path.read_text() + f"\n{bad_import}  # deliberately against the layering\n")
+    proc = lint_imports(tree_copy)
     assert proc.returncode != 0, proc.stdout[-3000:]
-    broken = proc.stdout.split("Broken contracts", 1)[-1]
-    assert contract in broken and bad_import.split()[-1] in broken, proc.stdout[-3000:]
+    broken = broken_sections(proc.stdout)
+    for module, bad_import, contract in BAD_IMPORTS:
+        assert contract in broken, (contract, sorted(broken), proc.stdout[-3000:])
+        importer = module.removesuffix(".py").replace("/", ".").removeprefix("plugins.")
+        assert f"{importer} -> {bad_import.split()[-1]}" in broken[contract], (contract, broken[contract])
 
 
 # ---- DeepSpeed's private API only in megapost.ds_adapter ------------------------------------------------

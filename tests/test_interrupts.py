@@ -62,6 +62,7 @@ def _flags(data, tmp_path: Path, **kw) -> list[str]:
         data, **{"--train-iters": 100000, "--runs-dir": tmp_path, "--run-name": "r", **kw})]
 
 
+@pytest.mark.integration
 def test_sigterm_with_exit_signal_handler_saves_at_a_step_and_exits_0(tiny_data, tmp_path) -> None:
     run = Launch(_flags(tiny_data, tmp_path, **{"--exit-signal-handler": True}))
     run.wait_for("iteration      2/")
@@ -78,6 +79,7 @@ def test_sigterm_with_exit_signal_handler_saves_at_a_step_and_exits_0(tiny_data,
     assert f"at iteration {step}" in resumed.stdout and f"iteration {step + 1:6d}/" in resumed.stdout
 
 
+@pytest.mark.integration
 def test_ctrl_c_ends_in_one_line(tiny_data, tmp_path) -> None:
     """SIGINT to the whole foreground group (a terminal's Ctrl-C): one megapost line, from one rank."""
     run = Launch(_flags(tiny_data, tmp_path, **{"--save-interval": 2}))
@@ -93,6 +95,7 @@ def test_ctrl_c_ends_in_one_line(tiny_data, tmp_path) -> None:
     assert all(f.endswith(("deepspeed/launcher/runner.py", "subprocess.py", "bin/deepspeed")) for f in frames)
 
 
+@pytest.mark.integration
 def test_ranks_die_with_the_runner(tiny_data, tmp_path) -> None:
     """SIGINT to the `deepspeed` runner alone used to leave launch.py and the ranks training."""
     run = Launch(_flags(tiny_data, tmp_path))
@@ -106,6 +109,7 @@ def test_ranks_die_with_the_runner(tiny_data, tmp_path) -> None:
     assert len(INTERRUPTED.findall(run.output)) == 1, run.output
 
 
+@pytest.mark.integration
 def test_busy_master_port_fails_in_one_line(tiny_data, tmp_path) -> None:
     """The port check runs right before the process group forms (after any corpus build: a port taken
     during the build is tests/test_first_hour.py's slow race test)."""
@@ -129,6 +133,7 @@ def test_busy_master_port_fails_in_one_line(tiny_data, tmp_path) -> None:
     assert "Traceback" not in out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flag", ["--exit-interval",
                                   pytest.param("--exit-duration-in-mins", marks=pytest.mark.slow)])
 def test_planned_exits_save_and_exit_0(tiny_data, tmp_path, flag) -> None:

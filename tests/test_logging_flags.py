@@ -38,13 +38,13 @@ def _measure(argv: list[str], bf16: bool) -> dict[str, float]:
 
     def count(self: Trainer) -> None:
         if bf16:
-            seen["zeros"] = sum(int((g == 0).sum()) for g in _flat_fp32(self.engine, "grads"))
+            seen["zeros"] = sum(int((g == 0).sum()) for g in _flat_fp32(self.engine.ds, "grads"))
         else:
             seen["zeros"] = _zeros_of_module_grads(self.engine)
         before(self)
 
     def norm(self: Trainer) -> None:
-        masters = _flat_fp32(self.engine, "masters") if bf16 else list(self.engine.module.parameters())
+        masters = _flat_fp32(self.engine.ds, "masters") if bf16 else list(self.engine.module.parameters())
         seen["norm"] = math.sqrt(sum(float(m.detach().double().pow(2).sum()) for m in masters))
         seen["module_norm"] = math.sqrt(sum(float(p.detach().double().pow(2).sum())
                                             for p in self.engine.module.parameters()))
@@ -94,6 +94,7 @@ def test_params_norm_and_zeros_match_an_independent_count(tiny_data, tmp_path, c
         assert read_scalars(tb, "train/world_size") == {2: 1.0, 4: 1.0}
 
 
+@pytest.mark.integration
 def test_logging_flags_add_no_host_sync_on_quiet_steps(tiny_data) -> None:
     from host_sync_audit import ITERATIONS, count_syncs
 

@@ -9,7 +9,7 @@ import pytest
 from launch_utils import pretrain, read_scalars
 
 from megapost.config.arguments import parse_args
-from megapost.engine.schedule import lr_at
+from megapost.optim.schedule import lr_at
 
 
 def megatron_llama_flags(data, tb) -> list[str]:
@@ -37,6 +37,7 @@ def megatron_llama_flags(data, tb) -> list[str]:
     ]
 
 
+@pytest.mark.integration
 def test_megatron_llama_launch_line_trains(tiny_data, tmp_path) -> None:
     tb = tmp_path / "tb"
     out = pretrain(megatron_llama_flags(tiny_data, tb))
@@ -72,6 +73,7 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     (["--hidden-dropout", "0.1"], "dropout is not supported"),
     (["--num-experts", "8"], "mixture-of-experts is not supported"),
     (["--context-parallel-size", "2"], "context parallelism is not supported"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "the interleaved pipeline schedule is not supported"),
     (["--lr-decay-style", "WSD"], "needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
       "--num-layers", "4"], "recomputing only some layers of a stage is not supported"),

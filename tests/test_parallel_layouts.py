@@ -25,6 +25,8 @@ from dist_utils import RunSpec, check_layout_matches_single_process, check_layou
 
 from megapost.model.placements import PLACEMENTS
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 PRE, POST = {"norm_position": "pre"}, {"norm_position": "post"}
 SGD = dict(optimizer="sgd", lr=0.5)
 

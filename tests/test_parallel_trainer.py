@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 _single: dict[str, tuple[dict[int, float], dict[int, float]]] = {}
 
 

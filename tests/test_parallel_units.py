@@ -187,6 +187,7 @@ def unit_checks() -> dict[str, float]:
     return errors
 
 
+@pytest.mark.integration
 def test_mappings_layers_and_cross_entropy_on_two_ranks() -> None:
     results = run_ranks(unit_checks, WORLD)
     worst = {name: max(r[name] for r in results) for name in results[0]}

@@ -13,6 +13,8 @@ import torch
 
 from megapost.metrics import peak_flops
 from megapost.metrics.peak_flops import Peak, cache_file, resolve_peak, table_peak
+from megapost.metrics.throughput import Throughput
+from megapost.train.logger import mfu_text
 
 CPU = torch.device("cpu")
 
@@ -103,6 +105,7 @@ def test_peak_measured_on_a_busy_cpu_is_refused_and_not_cached(monkeypatch, tmp_
     assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.01 and cache_file().exists()
 
 
+@pytest.mark.integration
 def test_other_processes_busy_cores_are_seen() -> None:
     """A spinning child process keeps about one core busy while this one sleeps (/proc/stat)."""
     from megapost.utils.machine import others_busy
@@ -122,6 +125,7 @@ def test_measurement_is_the_best_of_several_runs() -> None:
     assert 0 < tflops < 100
 
 
+@pytest.mark.integration
 def test_impossible_mfu_is_flagged_once(tiny_data, tmp_path) -> None:
     """A peak below what the run achieves (a CPU peak measured on a busy machine) is named, once."""
     from launch_utils import pretrain, tiny_model_flags
@@ -154,3 +158,14 @@ def test_unlisted_gpu_says_mfu_unknown(monkeypatch) -> None:
     monkeypatch.setattr(peak_flops, "device_name", lambda device: "NVIDIA Future GPU")
     peak = resolve_peak(0.0, torch.bfloat16, torch.device("cuda", 0))
     assert peak.tflops == 0.0 and "MFU unknown: pass --peak-tflops" in peak.source
+    assert peak.describe().startswith("unknown (") and "TFLOP/s/device" not in peak.describe()
+
+
+def test_unknown_peak_logs_no_mfu() -> None:
+    """No peak: MFU is absent from the report (so never logged as throughput/mfu 0.0), and the log
+    line says it is unknown."""
+    meter = Throughput(flops_per_token=6e6, world_size=1, peak_tflops=0.0, causal_flops_per_token=5e6)
+    meter.tick(1000)
+    perf = meter.report()
+    assert not {k for k in perf if k.startswith("mfu")} and perf["tflops_per_device"] > 0
+    assert mfu_text(perf, 0.0) == "MFU unknown: pass --peak-tflops"

@@ -1,5 +1,6 @@
 """Planned vs measured peak memory per rank of the real trainer (DeepSpeed engine, 2 steps), with
-tensor memory counted exactly by ``LiveTensorMemory``; the planner must be within 15% on every rank.
+tensor memory counted exactly by ``LiveTensorMemory``; the planner must be within 5% on every rank (what
+the README and docs/scaling.md claim).
 
 The model (4 x 256, ffn 768, seq 256, vocab padded to 4096, micro-batch 2) puts weights, optimizer
 states and activations all at 10-60 MB. ZeRO's staging bucket is set to 1e6 elements through
@@ -14,7 +15,9 @@ import json
 import pytest
 from plan_measure import measure
 
-TOLERANCE = 0.15
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
+TOLERANCE = 0.05  # the README's claim: all within 5% (0.954-1.043)
 
 CHEAP = [
     (1, "fp32 ZeRO-0", ["--micro-batch-size", "2", "--global-batch-size", "4"]),

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapost.engine.schedule import WarmupDecaySchedule
 from megapost.model import ModelConfig
+from megapost.optim.schedule import WarmupDecaySchedule
 from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Flags, Plugin, PluginContext
 from megapost.train.plugin_binding import bind_plugins

@@ -162,6 +162,7 @@ def test_empty_corpus_and_missing_files(tiny_data, tmp_path: Path) -> None:
         _run([tiny_data.tokenizer_model], tmp_path / "o", tiny_data)
 
 
+@pytest.mark.integration
 def test_cli_exit_codes_and_messages(tiny_data, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(tmp_path / "x.json"),
@@ -184,6 +185,7 @@ def test_cli_exit_codes_and_messages(tiny_data, tmp_path: Path, capsys: pytest.C
     assert "error: input not found" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_prepare_default_data(tmp_path: Path) -> None:
     start = time.perf_counter()
     prefix, tokenizer_path = prepare_default_data(tmp_path, progress=False, log=None)
@@ -245,6 +247,7 @@ def test_null_field_and_skipped_line_examples(tiny_data, tmp_path: Path) -> None
                            "at column 2)"]
 
 
+@pytest.mark.integration
 def test_rerun_removes_stale_temporaries_of_dead_writers(tiny_data, tmp_path: Path) -> None:
     """A killed run leaves ``.<out>.bin.tmp-<pid>``; the next run removes it, not a live writer's."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,

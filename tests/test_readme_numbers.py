@@ -1,5 +1,6 @@
-"""tools/readme_numbers.py (issue 28 item 5): a README planner example written from the planner's own
---json output passes; the same README with one quoted number edited fails, naming the line."""
+"""tools/readme_numbers.py (issue 28 item 5; README.md and docs/*.md): a planner example written from
+the planner's own --json output passes; the same page with one quoted number edited fails, naming the
+line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 
 import pytest
 from launch_utils import REPO
+
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
 
 COMMAND = "python -m megapost.plan --preset paper-180m --gpus 8 --gpu-memory-gb 80"
 
@@ -44,5 +47,8 @@ def test_planner_numbers_pass_then_an_edited_one_fails(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_readme_planner_numbers_are_what_the_planner_prints() -> None:
-    result = _tool(REPO / "README.md")
+    """README.md and every docs page: each quoted planner block and law number is what the code prints."""
+    result = subprocess.run([sys.executable, "tools/readme_numbers.py"], cwd=REPO, capture_output=True,
+                            text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "planner: 0 numbers" not in result.stdout  # the docs still quote planner blocks

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megapost.config.resolved import resolve
-from megapost.engine.ds_config import build_ds_config
-from megapost.engine.grad_reduce import configure_grad_reduction
+from megapost.optim.ds_config import build_ds_config
+from megapost.optim.grad_reduce import configure_grad_reduction
 from megapost.plan.memory import Layout
 from megapost.plan.search import comm_parts
 

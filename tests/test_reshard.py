@@ -18,6 +18,8 @@ from ckpt_faults import full_tensors
 from dist_utils import run_ranks
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 STEPS = 2  # per segment; the last segment continues for LAST_STEPS (the 10-step criterion)
 LAST_STEPS = 10
 

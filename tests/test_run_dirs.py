@@ -8,7 +8,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
+
+from megapost.config.arguments import parse_args
+from megapost.config.errors import ConfigError
+from megapost.runtime.run_dir import apply_named_run
 
 
 def raw_steps(tb_dir: Path, tag: str) -> list[int]:
@@ -22,6 +27,7 @@ def raw_steps(tb_dir: Path, tag: str) -> list[int]:
     return steps
 
 
+@pytest.mark.integration
 def test_unnamed_runs_get_their_own_directories(tiny_data, tmp_path) -> None:
     """Two runs started at once, without --run-name: two directories, neither sees the other's files."""
     flags = tiny_model_flags(tiny_data, **{"--train-iters": 2, "--runs-dir": tmp_path})
@@ -39,6 +45,7 @@ def test_unnamed_runs_get_their_own_directories(tiny_data, tmp_path) -> None:
     assert tmp_path / latest.read_text().strip() in runs and not latest.is_symlink()
 
 
+@pytest.mark.integration
 def test_resume_continues_tensorboard_and_jsonl_without_repeats(tiny_data, tmp_path) -> None:
     """A run dies at step 6 after a checkpoint at 4; rerunning the same --run-name resumes at 4 and
     the logs hold each step once, increasing (today's failure: steps 5 repeated)."""
@@ -79,3 +86,18 @@ def test_drop_events_after_keeps_each_tag_up_to_its_resume_point(tmp_path) -> No
     assert raw_steps(tmp_path, "train-vs-tokens/lm_loss") == [128, 256, 384]
     assert drop_events_after(str(tmp_path), -1, -1) == 6 and raw_steps(tmp_path, "train/lm_loss") == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_ckpt_step_with_run_name(tmp_path) -> None:
+    """--ckpt-step (and --finetune, ...) with --run-name: the named run's checkpoints are the --load; a
+    run without one is refused in one line naming it."""
+    flags = ["--runs-dir", str(tmp_path), "--run-name", "r1", "--ckpt-step", "4"]
+    args = parse_args(flags)  # no --load typed: not refused while the run directory may supply it
+    with pytest.raises(ConfigError, match=r"--ckpt-step says what --load restores, but there is no --load "
+                                          r"\(--run-name r1: .*r1/checkpoints holds no checkpoint yet\)"):
+        apply_named_run(args)
+    (tmp_path / "r1" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r1" / "checkpoints" / "latest").write_text("iter_0000006")
+    args = parse_args(flags)
+    apply_named_run(args)
+    assert args.load == str(tmp_path / "r1" / "checkpoints") and args.ckpt_step == 4

@@ -144,6 +144,7 @@ def _assert_same_losses(tb: Path, reference: dict[str, list[float]]) -> None:
 # ----------------------------------------------------------------------------- 1. multi-node
 
 
+@pytest.mark.integration
 def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) -> None:
     """(TP,PP,DP)=(2,1,2) over two 'nodes': TP pairs inside a node, the DP all-reduce across them."""
     flags = [*_example_flags(tiny_data), "--tensor-model-parallel-size", "2"]
@@ -163,6 +164,7 @@ def test_two_launchers_form_one_world(tiny_data, tmp_path, example_reference) ->
 # ----------------------------------------------------------------------------- 2. the example at (2,2,1)
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # the 4-rank TP2xPP2 trainer is in CI through test_parallel_layouts' tp2-pp2
 def test_example_at_tp2_pp2(tiny_data, tmp_path, example_reference) -> None:
     out = run(_deepspeed(4, [EXAMPLE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
@@ -185,6 +187,7 @@ def _failing_flags(data, **overrides) -> list[str]:
                            "--tensor-model-parallel-size": 2, **overrides})
 
 
+@pytest.mark.integration
 def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
     """MEGAPOST_FAIL_RANK=1:3 (training.py): rank 1 raises before iteration 3; rank 0, blocked in a
     tensor-parallel collective with it, must not outlive it for long."""
@@ -199,6 +202,7 @@ def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
     assert ended - failed < 45, f"job took {ended - failed:.1f} s to end after the failure"
 
 
+@pytest.mark.integration
 def test_killed_rank_ends_the_job(tiny_data, tmp_path) -> None:
     """SIGKILL rank 0 (it also hosts the rendezvous store) after iteration 2."""
     job = Job(_deepspeed(2, ["--module", "megapost.pretrain", *_failing_flags(tiny_data)]), tmp_path / "log")
@@ -249,6 +253,7 @@ def test_hung_rank_times_out(tiny_data, tmp_path) -> None:
     assert 30 <= ended - stopped < 120, f"job took {ended - stopped:.1f} s to end after the hang"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_node_that_never_joins_times_out(tiny_data, tmp_path) -> None:
     """Only node 0 of the two-node hostfile starts: the rendezvous gives up after the timeout."""
@@ -265,6 +270,7 @@ def test_node_that_never_joins_times_out(tiny_data, tmp_path) -> None:
     assert elapsed < 120
 
 
+@pytest.mark.integration
 def test_new_groups_take_the_distributed_timeout(tmp_path) -> None:
     """Groups DeepSpeed creates (new_group without a timeout) get --distributed-timeout-minutes."""
     code = """
@@ -303,6 +309,7 @@ def _refused(data, tmp: Path, ckpt: Path, nprocs: int, tp: int, pp: int) -> tupl
     return text, elapsed
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # checkpoints without layout-free state: only older megapost wrote them
 def test_checkpoint_of_another_layout_is_refused(tiny_data, tmp_path) -> None:
     """A real checkpoint at (2,1,1) without its layout-free state (as older megapost wrote them) loaded
@@ -319,6 +326,7 @@ def test_checkpoint_of_another_layout_is_refused(tiny_data, tmp_path) -> None:
     assert text.count(LAYOUT_ERROR) == 1 and elapsed < 30
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, dp", [(2, 2, 1), (1, 1, 2), (1, 2, 1)])
 def test_resume_at_layout_continues_exactly(tiny_data, tmp_path, tp: int, pp: int, dp: int) -> None:

@@ -25,6 +25,7 @@ def _study(tiny_data, runs, parts):
     return proc.stdout
 
 
+@pytest.mark.integration
 def test_scaling_study_script_smoke(tiny_data, tmp_path):
     """The outcomes and autopsy parts at tiny sizes on another corpus: the sweep runs both variants over
     the seeds at the delayed settings with SIZE_FLAGS applied; one seed has no pair to dissect."""
@@ -40,6 +41,7 @@ def test_scaling_study_script_smoke(tiny_data, tmp_path):
     assert "| post | 4 | 0.03 | 200 | 1 |" in (runs / "outcomes" / "cells.md").read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_scaling_study_guard_part(tiny_data, tmp_path):
     """The guard part at tiny sizes: both remedies on both settings, and the rescue tables counted

@@ -69,6 +69,7 @@ ONE_RANK_SLOW = [Case("1 rank fp32 ZeRO-0 NaN, consecutive limit 2", ("--zero-st
                  Case("1 rank bf16 reference", ("--bf16",), inject=(), watch=())]
 
 
+@pytest.mark.integration
 def test_skip_one_rank_fp32_and_bf16_counted() -> None:
     results = run_ranks(run_cases, 1, FAST)[0]
     for case, out in zip(FAST, results, strict=True):
@@ -79,6 +80,7 @@ def test_skip_one_rank_fp32_and_bf16_counted() -> None:
     assert any(line.startswith(" saved checkpoint ") for line in results[0]["stdout"].splitlines())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_consecutive_limit_and_iterations_to_skip() -> None:
     limit, skipped, reference = run_ranks(run_cases, 1, ONE_RANK_SLOW)[0]
@@ -112,6 +114,7 @@ def _table(cases: list[Case], results: list[list[dict]]) -> None:
               + f" | {row['skipped count']}")
 
 
+@pytest.mark.integration
 def test_skip_dp2_zero2_bf16() -> None:
     """The default path on GPU (bf16, DP > 1: ZeRO-2), the issue's failing case."""
     cases = [SLOW[3]]
@@ -119,6 +122,7 @@ def test_skip_dp2_zero2_bf16() -> None:
     _table(cases, [list(r) for r in zip(*by_rank, strict=True)])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_skip_every_two_rank_path() -> None:
     cases = [c for c in SLOW if c is not SLOW[3]]
@@ -135,6 +139,7 @@ def test_non_finite_decision() -> None:
     assert not math.isfinite(INF)
 
 
+@pytest.mark.integration
 def test_consecutive_limit_is_exact_between_log_steps() -> None:
     """A run of 2 skips (steps 2, 3) that ended before the log step 4 still stops the run (limit 2),
     naming the iteration the run reached the limit; read at the log step, no host read per step. With
@@ -162,6 +167,7 @@ def _resume_pair(root: str, limit: int, first: tuple[int, ...], second: tuple[in
                  tensorboard=True, extra={"zero": 0, "root": root, "resume": True})]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_skip_counts_continue_after_a_resume(tmp_path) -> None:
     """The skip counts are saved with the tag: after a resume the total continues (TensorBoard's

@@ -34,6 +34,7 @@ def test_srun_task_variables_map_to_torch_distributed() -> None:
     assert "\n" not in str(e.value.code)
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # two ranks of the real trainer on 2 cores: ~40 s
 def test_two_srun_tasks_without_a_launcher_form_one_world_of_two(tiny_data) -> None:
     flags = tiny_model_flags(tiny_data, **{"--train-iters": 2})

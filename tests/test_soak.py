@@ -25,6 +25,7 @@ PHASES = {"forward", "backward", "optimizer_step", "sync_save", "async_write", "
           "wall-clock"}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_soak_kills_anywhere_and_ends_bit_exact(tmp_path) -> None:
     full = os.environ.get("MEGAPOST_SOAK_FULL") == "1"
@@ -61,6 +62,7 @@ def test_soak_kills_anywhere_and_ends_bit_exact(tmp_path) -> None:
     assert report["bit_exact"] and proc.returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_kill_after_a_save_loses_no_tensorboard_step(tiny_data, tmp_path) -> None:
     """Steps 1-3 are saved at 3 but logged only at 4: a rank SIGKILLed in step 4's forward (a real kill

@@ -71,6 +71,7 @@ def test_variants_are_parsed_and_reach_the_trainer(sweep_module, tmp_path) -> No
     assert seen["dyt"].norm_position == "dyt" and seen["dyt"].collapse_guard
 
 
+@pytest.mark.integration
 def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> None:
     sweep = tmp_path / "sweep"
     proc = _sweep(tiny_data, sweep, "--variants", "post+qk-norm,pre")
@@ -125,6 +126,7 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     assert bad.returncode == 2 and "write NAME=DIR" in bad.stderr
 
 
+@pytest.mark.integration
 def test_placement_study_script_smoke(tiny_data, tmp_path) -> None:
     """examples/placement_study.sh at tiny sizes (toy configuration only, one variant)."""
     out = tmp_path / "fig" / "study"

@@ -9,6 +9,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 REPO = Path(__file__).resolve().parents[1]
 
 

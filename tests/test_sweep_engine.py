@@ -74,6 +74,7 @@ def _sweep(tiny_data, out: Path, *extra: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_persistent_workers_give_the_runs_of_one_process_per_run(tiny_data, tmp_path):
     """4 cells (post/pre x 2 seeds) through one persistent worker (each run after another in the same

@@ -15,7 +15,8 @@ import pytest
 from tensorboard_browser import Browser, missing, tensorboard
 from tensorboard_utils import chart_lines, custom_charts, runs_and_tags, train_runs
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+pytestmark = [pytest.mark.slow, pytest.mark.integration,
+              pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from tensorboard_utils import chart_lines, custom_charts, runs_and_tags, train_runs
 
-pytestmark = pytest.mark.slow  # two real trainings (48 and 4 layers): ~100 s on 2 busy cores
+# two real trainings (48 and 4 layers): ~100 s on 2 busy cores
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 KEY_48 = {1, 13, 25, 36, 48}  # first, quartiles (12.75 -> 13, 24.5 -> 25, 36.25 -> 36), last of 1..48
 

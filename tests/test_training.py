@@ -13,6 +13,7 @@ from megapost.config.arguments import parse_args
 DYT_QK = ["--norm-position", "dyt", "--qk-norm", "--z-loss", "1e-3"]  # a placement with its own parameters
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("precision", [[], ["--bf16"], DYT_QK], ids=["fp32", "bf16", "dyt-qk-norm-z-loss"])
 def test_resume_continues_exactly(tiny_data, tmp_path, precision) -> None:
     """2N steps in one run == N steps, save, resume, N more (CPU: bitwise-equal losses; in bf16 the
@@ -37,6 +38,7 @@ def test_resume_continues_exactly(tiny_data, tmp_path, precision) -> None:
     assert all(lr_full[s] == lr_resumed[s] for s in range(4, 7))
 
 
+@pytest.mark.integration
 def test_tensorboard_scalars_and_loss_falls(tiny_data, tmp_path) -> None:
     tb = tmp_path / "tb"
     flags = {"--train-iters": 12, "--eval-interval": 6, "--eval-iters": 1, "--log-interval": 4,
@@ -121,6 +123,7 @@ def test_paper_preset_is_the_paper_recipe_and_flags_override() -> None:
     assert cfg.num_parameters() == 196_395_008
 
 
+@pytest.mark.integration
 def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
     """A diverged run: every step's gradient is non-finite, so every step is skipped, and the run stops
     at the log step after --max-consecutive-skipped-iterations of them."""

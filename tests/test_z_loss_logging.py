@@ -8,6 +8,8 @@ import math
 import pytest
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
+pytestmark = pytest.mark.integration  # every test here starts processes, ranks or runs
+
 
 def test_z_loss_is_logged_and_enters_the_gradient_only(tiny_data, tmp_path) -> None:
     runs = {}

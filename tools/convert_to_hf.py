@@ -1,58 +1,7 @@
-"""Export a megapost checkpoint (any layout) as a Hugging Face ``transformers`` model directory.
+"""Moved into the package: the console script `megapost-export-hf` (megapost/checkpoint/hf_command.py).
+This path keeps working and runs the same command."""
 
-    python tools/convert_to_hf.py --load CKPT_DIR [--iteration N] --output HF_DIR [--tokenizer-model M]
-
-Reads the tag's layout-free state (safetensors only). Pre-Norm without extras -> ``LlamaForCausalLM``;
-any other placement, ``--qk-norm`` or ``--prefix-alpha != 0`` -> a self-contained model loaded with
-``trust_remote_code=True`` (its config.json spells out every sublayer's norm rule).
-"""
-
-from __future__ import annotations
-
-import argparse
-import os
-
-from megapost.checkpoint.hf import export
-from megapost.checkpoint.layout_free import ShardIndex, check_complete
-from megapost.config.errors import ConfigError
-from megapost.model import ModelConfig
-
-
-def tag_dir(load: str, iteration: int | None) -> str:
-    if iteration is not None:
-        tag = f"iter_{iteration:07d}"
-    else:
-        latest = os.path.join(load, "latest")
-        if not os.path.isfile(latest):
-            raise ConfigError(f"--load {load}: no 'latest' file; pass --iteration or a megapost checkpoint")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load, tag)
-    if not os.path.isdir(path):
-        raise ConfigError(f"--load {load}: no tag {tag}")
-    if not check_complete(path):
-        raise ConfigError(f"--load {load}: tag {tag} has no layout-free state (saved by an older megapost); "
-                          "resume it once and save again")
-    return path
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="megapost checkpoint directory (--save of a run)")
-    p.add_argument("--iteration", type=int, help="tag iter_N (default: 'latest')")
-    p.add_argument("--output", required=True, help="Hugging Face model directory to create")
-    p.add_argument("--tokenizer-model", help="SentencePiece model (default: the one the run trained with)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split model.safetensors above this")
-    args = p.parse_args(argv)
-    index = ShardIndex(tag_dir(args.load, args.iteration))  # ConfigError: one line, exit status 1
-    header = index.header
-    tokenizer = args.tokenizer_model or header.get("args", {}).get("tokenizer_model")
-    if not tokenizer or not os.path.isfile(tokenizer):
-        raise ConfigError(f"--tokenizer-model {tokenizer}: no such file; pass the run's SentencePiece model")
-    export(index.full(), ModelConfig(**header["model_config"]), tokenizer, args.output,
-           int(args.max_shard_gb * 1024**3))
-    print(f"wrote {args.output}")
-
+from megapost.checkpoint.hf_command import export_hf_main as main
 
 if __name__ == "__main__":
     main()

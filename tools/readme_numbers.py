@@ -1,8 +1,8 @@
-"""Check that the numbers README.md quotes from a command are what the command prints today.
+"""Check that the numbers README.md and docs/*.md quote from a command are what the command prints today.
 
-    python tools/readme_numbers.py                 # the planner examples (seconds)
+    python tools/readme_numbers.py                 # the planner examples and the law (seconds)
     python tools/readme_numbers.py --slow          # also the main job's validation losses (~3-10 min)
-    python tools/readme_numbers.py --readme X.md   # another copy
+    python tools/readme_numbers.py --readme X.md   # only this file
 
 Covered:
   * every planner example block: a fenced block whose ``$ python -m megapost.plan ...`` lines are rerun
@@ -85,12 +85,12 @@ def _short(label: str) -> str:
     return " ".join(label.split()[:5])
 
 
-def check_result(number: int, line: str, plan: dict) -> tuple[list[str], int]:
+def check_result(number: int, line: str, plan: dict, name: str = "README.md") -> tuple[list[str], int]:
     """Drift lines of one README result line against the rerun's JSON; and how many numbers it covers."""
     m = RESULT.match(line)
     if not m:
-        return [f"README.md:{number}: cannot read this planner line: {line.strip()}"], 0
-    rec, where = plan["recommended"], f"README.md:{number}"
+        return [f"{name}:{number}: cannot read this planner line: {line.strip()}"], 0
+    rec, where = plan["recommended"], f"{name}:{number}"
     checks: list[tuple[bool, str]] = [
         (m["gpus"] == str(plan["cluster"]["gpus"]), f"{m['gpus']} GPUs vs {plan['cluster']['gpus']}"),
         (" ".join(m["layout"].split()) == _short(rec["label"]), f"layout {m['layout']!r} vs "
@@ -115,15 +115,15 @@ def check_result(number: int, line: str, plan: dict) -> tuple[list[str], int]:
     return [f"{where}: {what}" for ok, what in checks if not ok], len(checks)
 
 
-def check_planner(text: str) -> tuple[list[str], int]:
+def check_planner(text: str, name: str = "README.md") -> tuple[list[str], int]:
     drifts, covered = [], 0
     for number, command, results in planner_blocks(text):
         runs = expand(command)
         if len(runs) != len(results):
-            drifts.append(f"README.md:{number}: {len(runs)} runs but {len(results)} result lines")
+            drifts.append(f"{name}:{number}: {len(runs)} runs but {len(results)} result lines")
             continue
         for argv, (line_no, line) in zip(runs, results, strict=True):
-            found, n = check_result(line_no, line, plan_json(argv))
+            found, n = check_result(line_no, line, plan_json(argv), name)
             drifts += found
             covered += n
     return drifts, covered
@@ -159,21 +159,29 @@ def check_main_job(text: str) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--readme", default=str(REPO / "README.md"))
+    p.add_argument("--readme", action="append", default=None,
+                   help="a file to check (repeatable; default: README.md and docs/*.md)")
     p.add_argument("--slow", action="store_true", help="also rerun the main job (~3-10 min on 2 cores)")
     a = p.parse_args(argv)
-    text = Path(a.readme).read_text()
-    drifts, covered = check_planner(text)
-    parts = [f"planner: {covered} numbers"]
-    law_drifts, law_parts = check_law(text, Path(a.readme).name)
-    drifts, parts = drifts + law_drifts, parts + law_parts
+    files = [Path(f) for f in a.readme] if a.readme else [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
+    drifts, counts = [], {"planner": 0}
+    for path in files:
+        text, name = path.read_text(), path.name if path.parent != REPO / "docs" else f"docs/{path.name}"
+        found, n = check_planner(text, name)
+        drifts, counts["planner"] = drifts + found, counts["planner"] + n
+        law_drifts, law_parts = check_law(text, name)
+        drifts += law_drifts
+        for part in law_parts:
+            label, n_law = part.rsplit(": ", 1)
+            counts[label] = counts.get(label, 0) + int(n_law.split()[0])
     if a.slow:
-        more, n = check_main_job(text)
-        drifts, parts = drifts + more, parts + [f"main job: {n} numbers"]
+        more, n = check_main_job(files[0].read_text())
+        drifts, counts["main job"] = drifts + more, n
     for line in drifts:
         print(f"drift: {line}")
-    print(f"readme numbers: {', '.join(parts)} checked; {len(drifts)} drift(s) beyond tolerance "
-          f"(1% or the last printed digit; losses {LOSS_TOL})")
+    parts = [f"{label}: {n} numbers" for label, n in counts.items()]
+    print(f"readme numbers: {', '.join(parts)} checked in {len(files)} file(s); {len(drifts)} drift(s) "
+          f"beyond tolerance (1% or the last printed digit; losses {LOSS_TOL})")
     return 1 if drifts else 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,22 +55,6 @@ class RankFiles:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _fragments(engine: Any, p: torch.nn.Parameter, dp_rank: int,
-               keys: Sequence[str]) -> tuple[int, int, dict[str, torch.Tensor]] | None:
-    """(start, numel, {kind: 1-D tensor}) this rank owns of ``p`` (flattened): the fp32 master and the
-    optimizer state tensors ``keys``; or None."""
-    if lf._is_mapped(p):
-        # None: this rank's ZeRO partition holds none of p
-        return fragments.owned_fragment(p, (fragments.MASTER, *keys))
-    if dp_rank != 0:
-        return None  # replicated over data parallelism: data-parallel rank 0 writes it
-    values = {"fp32": p.detach()}
-    if keys:
-        state = lf._base_optimizer(engine).state[p]
-        values.update({k: state[k] for k in keys})
-    return 0, p.numel(), {k: v.detach().reshape(-1).float() for k, v in values.items()}
-
-
 def rank_files(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[str, Any]) -> RankFiles:
     """This rank's files for a tag, as views of the live state (no copy); ``layout``: the run's
     (``layout_free.layout_of``), recorded in the state file."""
@@ -84,7 +67,7 @@ def rank_files(engine: Any, pstate: Any, layout: dict[str, Any], client: dict[st
     entries: list[tuple[str, torch.Tensor]] = []
     meta: dict[str, Any] = {}
     for name, p in params.items():
-        owned = _fragments(engine, p, pstate.dp_rank, keys)
+        owned = fragments.owned_state(engine.optimizer, p, pstate.dp_rank, tuple(keys))
         if owned is None:
             continue
         start, numel, values = owned

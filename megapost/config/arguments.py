@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from megapost.config.errors import ConfigError, Errors
 from megapost.config.parser import OneLineParser, parse_collecting
 from megapost.config.presets import PRESETS
+from megapost.model.fusion import parse_fusion
 from megapost.model.placements import PLACEMENTS
 
 OPTIMIZERS = ("adam", "sgd")  # Megatron-LM's --optimizer values
@@ -19,6 +20,14 @@ def _two_floats(text: str) -> tuple[float, float]:
     if len(parts) != 2:
         raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}")
     return float(parts[0]), float(parts[1])
+
+
+def _fusion_spec(text: str) -> str:
+    try:
+        parse_fusion(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kernel-fusion: ")) from None
+    return text
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -97,7 +106,12 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="transformer layers per activation-checkpoint segment")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer block (steps with collapse_metrics probes run eager)")
+                   help="torch.compile each transformer block (steps with collapse_metrics probes run "
+                        "eager); slower than eager on an H200 at paper-180m so far (docs/kernels.md)")
+    g.add_argument("--kernel-fusion", type=_fusion_spec, default="auto", metavar="auto|none|LIST",
+                   help="fused kernels (docs/kernels.md): auto = those bit-identical in fp32 always, packed "
+                        "QKV and W1/W3 GEMMs when not fp32; none; or a comma list of rope, qkv, w13, "
+                        "swiglu, grad-accum")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ FORMATS = ("megapost", "deepspeed", "torch", "torch_dist")
 FORMAT_NOTES = {
     "torch": "megapost writes its sharded safetensors checkpoint (per-rank files, any-layout resume)",
     "torch_dist": "megapost writes its own sharded safetensors checkpoint instead of torch.distributed."
-                  "checkpoint: per-rank parallel writes, any-layout resume, no pickle (README: why)",
+                  "checkpoint: per-rank parallel writes, any-layout resume, no pickle (docs/checkpoints.md)",
 }
 
 
@@ -41,6 +41,16 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                         "meaning); tags of --save beyond it are set aside at start-up")
 
 
+def require_load(args: argparse.Namespace, where: str = "") -> None:
+    """The flags that say what --load restores need a --load (``where``: the run directory that gave
+    none, for the message)."""
+    for flag in ("finetune", "no_load_optim", "no_load_rng", "ckpt_step"):
+        if getattr(args, flag) not in (False, None) and not args.load:
+            found = f" ({where} holds no checkpoint yet)" if where else ""
+            raise ConfigError(f"--{flag.replace('_', '-')} says what --load restores, but there is no "
+                              f"--load{found}")
+
+
 def check_checkpoint_arguments(args: argparse.Namespace) -> list[str]:
     """One-line errors for contradictions; returns the start-up notes."""
     for flag in ("save_retain", "save_retain_every"):
@@ -50,9 +60,8 @@ def check_checkpoint_arguments(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--save-retain-every needs --save-retain N (without it every tag is kept anyway)")
     if args.ckpt_step is not None and args.ckpt_step < 0:
         raise ConfigError(f"--ckpt-step {args.ckpt_step}: must be an iteration >= 0")
-    for flag in ("finetune", "no_load_optim", "no_load_rng", "ckpt_step"):
-        if getattr(args, flag) not in (False, None) and not args.load:
-            raise ConfigError(f"--{flag.replace('_', '-')} says what --load restores, but there is no --load")
+    if getattr(args, "run_name", None) is None:  # a named run's --load comes from its directory (later)
+        require_load(args)
     notes = []
     if args.ckpt_format in FORMAT_NOTES:
         notes.append(f"--ckpt-format {args.ckpt_format} ({FORMAT_NOTES[args.ckpt_format]})")

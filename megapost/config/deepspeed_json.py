@@ -1,5 +1,5 @@
 """The user's ``--deepspeed_config`` JSON at parse time: its values for flags the user did not type are
-adopted, a value that contradicts a typed flag is refused (megapost.engine.ds_config merges the rest)."""
+adopted, a value that contradicts a typed flag is refused (megapost.optim.ds_config merges the rest)."""
 
 from __future__ import annotations
 

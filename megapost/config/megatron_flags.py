@@ -24,12 +24,13 @@ ALWAYS: dict[str, str] = {
     "--no-masked-softmax-fusion": "attention is torch SDPA",
     "--no-bias-gelu-fusion": "no GELU / biases",
     "--no-bias-dropout-fusion": "no dropout / biases",
-    "--no-bias-swiglu-fusion": "no biases",
-    "--no-rope-fusion": "RoPE is plain torch",
+    "--no-bias-swiglu-fusion": "no biases; the SwiGLU gate's fusion is --kernel-fusion's (docs/kernels.md)",
+    "--no-rope-fusion": "RoPE's fusion is bit-exact and on; --kernel-fusion none turns every fusion off",
     "--attention-softmax-in-fp32": "SDPA accumulates the softmax in fp32",
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated in fp32 under --bf16",
     "--no-position-embedding": "no learned position table (RoPE)",
-    "--no-gradient-accumulation-fusion": "no fused wgrad accumulation",
+    "--no-gradient-accumulation-fusion": ("bf16 gradients are added into the fp32 buffer without a cast "
+                                          "(bit-exact); --kernel-fusion none turns it off"),
     "--overlap-param-gather": ("ZeRO-1/2 gather the updated parameters once after the optimizer step, "
                                "not overlapped with the next forward"),
 }
@@ -81,6 +82,8 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", help="refused: use --bf16")
     g.add_argument("--num-experts", type=int, help="refused: megapost has no MoE")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="refused: DeepSpeed's pipeline engine has no interleaved schedule")
     g.add_argument("--train-samples", type=int, help="--train-iters = samples / global batch")
     g.add_argument("--lr-decay-samples", type=int, help="--lr-decay-iters = samples / global batch")
     g.add_argument("--lr-warmup-samples", type=int, help="--lr-warmup-iters = samples / global batch")
@@ -183,6 +186,10 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
     if args.context_parallel_size != 1:
         out.append(_refuse(f"--context-parallel-size {args.context_parallel_size}", "context parallelism "
                            "is not supported; use --sequence-parallel with --tensor-model-parallel-size"))
+    if (virtual := args.num_layers_per_virtual_pipeline_stage):
+        out.append(_refuse(f"--num-layers-per-virtual-pipeline-stage {virtual}", "the interleaved pipeline "
+                           "schedule is not supported: DeepSpeed 0.19's PipelineEngine runs only 1F1B over "
+                           "one contiguous range of layers per stage"))
     if args.rotary_percent != 1.0:
         out.append(_refuse(f"--rotary-percent {args.rotary_percent}", "only full rotary embeddings (1.0)"))
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:

@@ -104,7 +104,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What DeepSpeed's config is generated from (megapost.engine.ds_config, .grad_reduce), as it runs."""
+    """What DeepSpeed's config is generated from (megapost.optim.ds_config, .grad_reduce), as it runs."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -136,6 +136,7 @@ class RuntimeConfig:
     plugins: str
     iterations_to_skip: tuple[int, ...] = ()  # Megatron-LM's --iterations-to-skip
     max_consecutive_skipped_iterations: int = 10
+    kernel_fusion: str = "auto"  # --kernel-fusion (megapost.model.fusion.parse_fusion)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class Config:
 def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, tuple[str, ...]]:
     """(ZeRO stage, overlap, start-up notes) of the gradient reduction: ``--overlap-grad-reduce`` /
     ``--no-overlap-grad-reduce`` as given, by default on when more than one data-parallel rank reduces
-    over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.engine.grad_reduce applies it."""
+    over GPUs (on CPU/gloo a collective blocks the rank anyway); megapost.optim.grad_reduce applies it."""
     zero = max(1, a.zero_stage) if a.bf16 else a.zero_stage
     notes: list[str] = []
     if a.grad_reduce_in_bf16:  # Megatron-LM reduces an fp32 parameter's gradient in fp32 whatever it says
@@ -237,7 +238,8 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> C
                               a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
                               a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,
                               a.deepspeed_config, a.plugins, tuple(a.iterations_to_skip),
-                              a.max_consecutive_skipped_iterations),
+                              a.max_consecutive_skipped_iterations,
+                              kernel_fusion=getattr(a, "kernel_fusion", "auto")),
         engine=engine,
         flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
                                 "zero_stage": engine.zero_stage,

@@ -1,4 +1,4 @@
-"""The one home of megapost's use of DeepSpeed's private API (README "DeepSpeed adapter"): the sync-free
+"""The one home of megapost's use of DeepSpeed's private API (docs/scaling_study.md): the sync-free
 optimizer steps that skip a non-finite gradient (``steps``), the engine hooks (``engine``), the
 per-parameter fragments of the flat fp32 partitions and their state relinking (``fragments``), the
 pipeline grid, layer partition and checkpoint classes (``internals``), and a start-up self-test of a few

@@ -96,3 +96,41 @@ def can_rebuild_weights(optimizer: Any) -> bool:
 def rebuild_weights(optimizer: Any) -> None:
     """The module's weights from the fp32 partitions, all-gathered (what an optimizer step ends with)."""
     optimizer.update_lp_params()
+
+
+def base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrapper (bf16, ZeRO), or ``optimizer`` itself."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s reduced gradient whose squared norm this rank contributes (or None):
+    tensor-parallel shards on every TP rank, replicated parameters on TP rank 0; of those, the bf16
+    optimizer's or ZeRO 1/2's fragment, ZeRO-3's partition, or a full ``param.grad`` on DP rank 0."""
+    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+        return None
+    if has_bf16_grad(param):  # DeepSpeed BF16_Optimizer
+        return grad_fragment(param)
+    if param.grad is not None:
+        return param.grad if dp_rank == 0 else None
+    if hasattr(param, "ds_id"):  # ZeRO-3
+        return local_zero3_grad(param)
+    if is_mapped(param):  # ZeRO 1/2
+        return grad_fragment(param)
+    return None
+
+
+def owned_state(optimizer: Any, p: nn.Parameter, dp_rank: int,
+                keys: tuple[str, ...]) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+    """(start, numel, {kind: 1-D tensor}) this rank owns of ``p`` (flattened): the fp32 master
+    (``MASTER``) and the optimizer state tensors ``keys``; a parameter the optimizer keeps whole is owned
+    by data-parallel rank 0. None when this rank owns none of it."""
+    if is_mapped(p):
+        return owned_fragment(p, (MASTER, *keys))
+    if dp_rank != 0:
+        return None
+    values = {MASTER: p.detach()}
+    if keys:
+        state = base_optimizer(optimizer).state[p]
+        values.update({k: state[k] for k in keys if k != MASTER})
+    return 0, p.numel(), {k: v.detach().reshape(-1).float() for k, v in values.items()}

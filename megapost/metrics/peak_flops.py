@@ -70,7 +70,9 @@ class Peak:
     source: str
 
     def describe(self) -> str:
-        """``989 TFLOP/s/device (table: NVIDIA H100 SXM bf16 dense)``."""
+        """``989 TFLOP/s/device (table: NVIDIA H100 SXM bf16 dense)``; ``unknown (...)`` without one."""
+        if self.tflops <= 0:
+            return f"unknown ({self.source})"
         return f"{self.tflops:.4g} TFLOP/s/device ({self.source})"
 
 

@@ -62,9 +62,10 @@ class Throughput:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         tokens_per_s = self._tokens / elapsed
         tflops = tokens_per_s * self.flops_per_token / 1e12 / self.world_size  # per device
-        mfu = tflops / self.peak_tflops if self.peak_tflops > 0 else 0.0
         self._start, self._tokens = time.perf_counter(), 0
-        out = {"tokens_per_sec": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu, "seconds": elapsed}
-        if self.causal_flops_per_token and self.peak_tflops > 0:
-            out["mfu_causal"] = mfu * self.causal_flops_per_token / self.flops_per_token
+        out = {"tokens_per_sec": tokens_per_s, "tflops_per_device": tflops, "seconds": elapsed}
+        if self.peak_tflops > 0:  # without a peak MFU is unknown: no key, never a logged 0.0
+            out["mfu"] = mfu = tflops / self.peak_tflops
+            if self.causal_flops_per_token:
+                out["mfu_causal"] = mfu * self.causal_flops_per_token / self.flops_per_token
         return out

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapost.kernels import packed_linear, rope
 from megapost.model.config import ModelConfig
+from megapost.model.fusion import Fusion, packable_weights
 from megapost.model.norm import RMSNorm
 from megapost.model.rope import apply_rope_tables, rope_cache, rope_tables
 
@@ -56,6 +58,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk else None
         self.v_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qkv_norm else None
+        self.fusion = Fusion()  # megapost.model.fusion.set_kernel_fusion
         self._rope: tuple[torch.Tensor, ...] | None = None
         self._rope_by_dtype: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
 
@@ -71,22 +74,46 @@ class Attention(nn.Module):
         cos, signed_sin = self._rope_by_dtype[dtype]
         return cos[:seq], signed_sin[:seq]
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v as [b, heads, s, d_h] views, and the packed [b, s, heads + groups, d_h] view of q and
+        k when one GEMM made them (else None)."""
+        b, s, _ = x.shape
+        eager = not torch.compiler.is_compiling()
+        weights = packable_weights(self.wq, self.wk, self.wv) if eager and self.fusion.on("qkv", x.dtype) \
+            else None
+        if weights is None:
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+            return heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), None
+        qkv = packed_linear(x, weights).view(b, s, -1, self.head_dim)
+        nq, nk = weights[0].shape[0] // self.head_dim, weights[1].shape[0] // self.head_dim
+        qk, v = qkv.split((nq + nk, nk), dim=2)  # one split: its backward is one cat of both gradients
+        q, k = qk.split((nq, nk), dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qk
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """RoPE of q and k: one fused call on the packed ``qk`` when there is one, else one each."""
+        cos, signed_sin = self._rope_tables(q.shape[2], q.device, q.dtype)
+        if torch.compiler.is_compiling() or not self.fusion.on("rope", q.dtype):
+            return apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
+        if qk is None:
+            return rope(q, cos, signed_sin), rope(k, cos, signed_sin)
+        qk = rope(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))  # [b, s, heads + groups, d_h]
+        q, k = qk.split((q.shape[1], k.shape[1]), dim=2)  # split, not slices: one cat in backward
+        return q.transpose(1, 2), k.transpose(1, 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, t.shape[1], -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        q, k, v, qk = self._project(x)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k, qk = self.q_norm(q), self.k_norm(k), None
         if self.v_norm is not None:
             v = self.v_norm(v)
-        cos, signed_sin = self._rope_tables(q.shape[2], x.device, q.dtype)
-        q, k = apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
+        q, k = self._rotate(q, k, qk)
         n_rep = q.shape[1] // k.shape[1]
         out = grouped_sdpa(q, k, v, n_rep)
         if self.prefix_alpha:
             out = out - self.prefix_alpha * repeat_kv(causal_running_mean(v), n_rep)
-        out = out.transpose(1, 2).reshape(b, q.shape[2], -1)
+        out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)

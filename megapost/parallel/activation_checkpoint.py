@@ -39,12 +39,22 @@ def probes_silenced(probes: Sequence[Probe], listened: Sequence[bool]) -> Iterat
             p.listener = listener
 
 
-def checkpoint_without_probes(root: nn.Module, function: Callable[..., Any], *args: torch.Tensor) -> Any:
-    """``function(*args)`` with activations recomputed in backward, probes under ``root`` silent then
-    (a plain call when gradients are off, e.g. evaluation)."""
+def probes_under(*modules: nn.Module) -> list[Probe]:
+    """Every ``Probe`` under ``modules``, in module order (walk once, then reuse the list)."""
+    return [m for module in modules for m in module.modules() if isinstance(m, Probe)]
+
+
+def checkpoint_with_probes(probes: Sequence[Probe], function: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """``function(*args)`` with activations recomputed in backward, ``probes`` (those ``function`` runs:
+    ``probes_under`` its modules) silent then (a plain call when gradients are off, e.g. evaluation)."""
     if not torch.is_grad_enabled():
         return function(*args)
-    probes = [m for m in root.modules() if isinstance(m, Probe)]
     listened = [p.listener is not None for p in probes]  # now, at the original forward
     return checkpoint(function, *args, use_reentrant=False,
                       context_fn=lambda: (nullcontext(), probes_silenced(probes, listened)))
+
+
+def checkpoint_without_probes(root: nn.Module, function: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """``checkpoint_with_probes`` over every probe under ``root`` (walks ``root`` on each call: pass
+    the segment's own probes to ``checkpoint_with_probes`` where the segment is known)."""
+    return checkpoint_with_probes(probes_under(root), function, *args)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megapost.model import Embedding, Head, ModelConfig, build_block
-from megapost.parallel.activation_checkpoint import checkpoint_without_probes
+from megapost.parallel.activation_checkpoint import checkpoint_with_probes, probes_under
 from megapost.parallel.cross_entropy import vocab_parallel_lm_loss
 from megapost.parallel.layout import validate_layout
 from megapost.parallel.parallelize import parallelize_block, parallelize_embedding, parallelize_head
@@ -38,6 +38,13 @@ class ParallelLlamaModel(nn.Module):
                                     for n in range(1, cfg.num_layers + 1))
         self.head = parallelize_head(Head(cfg), pstate)
 
+    def _segment_probes(self, start: int, stop: int) -> list:
+        """The probes of layers [start, stop), walked once (not the whole model per segment: O(L^2))."""
+        cache = self.__dict__.setdefault("_probe_cache", {})
+        if (start, stop) not in cache:
+            cache[start, stop] = probes_under(*self.layers[start:stop])
+        return cache[start, stop]
+
     def _run(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[start:stop]:
             x = layer(x)
@@ -48,7 +55,8 @@ class ParallelLlamaModel(nn.Module):
         n, k = len(self.layers), self.checkpoint_num_layers
         if self.checkpoint_activations:
             for start in range(0, n, k):
-                x = checkpoint_without_probes(self, partial(self._run, start, start + k), x)
+                segment = partial(self._run, start, start + k)
+                x = checkpoint_with_probes(self._segment_probes(start, start + k), segment, x)
         else:
             x = self._run(0, n, x)
         return self.head(x)

@@ -72,7 +72,21 @@ def mark_sequence_parallel(param: nn.Parameter, group: Any) -> None:
         return
     param.sequence_parallel = True
     if group is not None and C.group_size(group) > 1:
-        param.register_hook(lambda grad: C.all_reduce(grad, group))
+        param.sequence_parallel_hook = param.register_hook(lambda grad: C.all_reduce(grad, group))
+
+
+def defer_sequence_parallel_reduction(module: nn.Module) -> list[nn.Parameter]:
+    """Remove the per-micro-batch all-reduce hooks of ``mark_sequence_parallel`` from ``module``'s
+    parameters and return those parameters: their gradients stay partial sums over the tensor-parallel
+    group until the caller sums them once per step (megapost.parallel.dist_optimizer's
+    ``partial_sums``), in one bucketed all-reduce instead of one per parameter per micro-batch."""
+    out = []
+    for p in module.parameters():
+        handle = p.__dict__.pop("sequence_parallel_hook", None)
+        if handle is not None:
+            handle.remove()
+            out.append(p)
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
@@ -105,6 +119,17 @@ class ColumnParallelLinear(nn.Module):
             bias = None if bias is None else share_replicated_slice(bias, self.group, self.replicas)
         y = F.linear(self.map_input(x, self.group), weight, bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def packable_weight(self) -> torch.Tensor | None:
+        """This rank's weight for a parent that multiplies the input (already mapped by it) with several
+        sibling projections in one GEMM (``megapost.model.fusion``): its own heads' rows, so a packed
+        Q/K/V holds this rank's q, k and v. None when this layer maps its own input, gathers its output
+        or has a bias."""
+        if self.map_input is not INPUT_MAPPINGS[None] or self.gather_output or self.bias is not None:
+            return None
+        if self.replicas > 1:
+            return share_replicated_slice(self.weight, self.group, self.replicas)
+        return self.weight
 
     def extra_repr(self) -> str:
         shared = f", shared by {self.replicas} ranks" if self.replicas > 1 else ""

@@ -21,7 +21,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 
 from megapost.model import Embedding, Head, ModelConfig, TransformerBlock
 from megapost.model.init import init_block_
-from megapost.parallel.activation_checkpoint import checkpoint_without_probes
+from megapost.parallel.activation_checkpoint import checkpoint_with_probes, probes_under
 from megapost.parallel.parallelize import parallelize_block, parallelize_embedding, parallelize_head
 from megapost.parallel.state import ParallelState
 
@@ -96,7 +96,11 @@ class LlamaPipeline(PipelineModule):
             self._precompute_checkpointable_values()
 
     def _checkpoint(self, function: Callable[..., Any], *args: torch.Tensor) -> Any:
-        return checkpoint_without_probes(self, function, *args)
+        # DeepSpeed hands a closure over its layer range: the stage's probes, walked once and reused
+        probes = self.__dict__.get("_stage_probes")
+        if probes is None:
+            probes = self.__dict__["_stage_probes"] = probes_under(self)
+        return checkpoint_with_probes(probes, function, *args)
 
 
 def model_parameter_name(name: str, num_layers: int) -> str:

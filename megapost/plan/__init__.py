@@ -36,7 +36,7 @@ def planned_rank_peak(cfg: ModelConfig, data: DataConfig, runtime: RuntimeConfig
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
                     data.micro_batch_size, data.grad_accum_steps, runtime.checkpoint_activations,
                     pstate.sequence_parallel, runtime.checkpoint_num_layers)
-    cuda = torch.cuda.is_available()  # megapost.engine.optimizer builds fused AdamW on every device
+    cuda = torch.cuda.is_available()  # megapost.optim.optimizer builds fused AdamW on every device
     from megapost.model.norm import _ApexRMSNorm
 
     kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"

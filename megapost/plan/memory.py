@@ -1,7 +1,7 @@
 """Per-rank memory of one training layout, term by term, for what megapost and DeepSpeed allocate.
 
 Model states (bytes per parameter on this rank, P; N = data-parallel size), by the optimizer DeepSpeed
-builds for megapost's config (``megapost/engine/ds_config.py``):
+builds for megapost's config (``megapost/optim/ds_config.py``):
 
 - fp32, ZeRO-0: the engine wraps torch AdamW: weights 4P, gradients 4P, exp_avg + exp_avg_sq 8P.
 - fp32, ZeRO-1/2 (``DeepSpeedZeroOptimizer``): flat weights 4P, an fp32 master copy of this rank's
@@ -22,7 +22,7 @@ engine's fallback all-reduce (ZeRO-0 fp32, the BF16_Optimizer's fp32 accumulator
 ``communication_data_type``) flattens gradients into one fp32 copy per bucket of up to 5e8 elements —
 at N = 1 megapost turns that reduction off (``engine_hooks.skip_single_rank_reduction``); pipeline
 stages receive and send [b, s, h] activations and gradients. The optimizer is torch's fused AdamW on
-every device (``megapost/engine/optimizer.py``): no per-tensor temporaries at the step.
+every device (``megapost/optim/optimizer.py``): no per-tensor temporaries at the step.
 
 Activations per block and micro-batch (T = b*s tokens, e = 2 bf16 / 4 fp32 bytes, t = TP,
 Ts = T/t under sequence parallelism, else T), counted from what autograd saves in megapost's block
@@ -78,6 +78,7 @@ class Layout:
     checkpoint: bool = False
     sequence_parallel: bool = False
     checkpoint_num_layers: int = 1
+    distributed_optimizer: bool = False  # megapost.parallel.dist_optimizer (with zero_stage 1)
 
     @property
     def gpus(self) -> int:
@@ -86,7 +87,8 @@ class Layout:
     def label(self) -> str:
         ck = "ckpt" if self.checkpoint else "-"
         sp = "+SP" if self.sequence_parallel else ""
-        return (f"TP{self.tp}{sp} PP{self.pp} DP{self.dp} ZeRO-{self.zero_stage} mb{self.micro_batch} "
+        zero = "DistOpt" if self.distributed_optimizer else f"ZeRO-{self.zero_stage}"
+        return (f"TP{self.tp}{sp} PP{self.pp} DP{self.dp} {zero} mb{self.micro_batch} "
                 f"ga{self.grad_accum} {ck}")
 
 

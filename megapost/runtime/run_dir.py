@@ -15,6 +15,7 @@ import time
 
 import torch.distributed as dist
 
+from megapost.config.checkpoint_flags import require_load
 from megapost.config.errors import ConfigError
 from megapost.utils.atomic import atomic_write_text
 
@@ -46,6 +47,7 @@ def apply_named_run(args: argparse.Namespace) -> None:
     _check_name(args.run_name)
     args.runs_dir = args.runs_dir or "runs"
     _use(args, os.path.join(args.runs_dir, args.run_name))
+    require_load(args, f"--run-name {args.run_name}: {args.save}")  # e.g. --ckpt-step of the named run
 
 
 def _new_run_dir(runs_dir: str, base: str) -> str:

@@ -24,15 +24,17 @@ from megapost.config.megatron_habits import init_summary
 from megapost.config.resolved import Config, DataConfig, OptimizerConfig, resolve
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
-from megapost.engine import hooks as engine_hooks
-from megapost.engine.ds_config import build_ds_config
-from megapost.engine.grad_reduce import configure_grad_reduction, overlap_bucket
-from megapost.engine.optimizer import build_optimizer
-from megapost.engine.schedule import WarmupDecaySchedule
+from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
+from megapost.model.fusion import parse_fusion, set_kernel_fusion
+from megapost.optim import hooks as optim_hooks
+from megapost.optim.ds_config import build_ds_config
+from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
+from megapost.optim.optimizer import build_optimizer
+from megapost.optim.schedule import WarmupDecaySchedule
 from megapost.parallel import (
     build_model,
     deepspeed_config_errors,
@@ -139,26 +141,35 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                  checkpoint_num_layers=run.checkpoint_num_layers,
                                  z_loss=config.optimizer.z_loss)
+    fusion = parse_fusion(run.kernel_fusion)
+    set_kernel_fusion(model, fusion)
     if run.compile:
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:
-            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps)")
+            print(f"--compile: {compiled} transformer blocks compiled (eager on collapse-measured steps); "
+                  f"unmeasured on GPU since the kernel fusions (slower than eager on an H200 before them), "
+                  f"not recommended until benchmarks measure it faster (docs/kernels.md)")
     monitor = Monitor(log.tensorboard_dir, enabled=pstate.is_logging_rank,
                       max_queue=log.tensorboard_queue_size)
     plugins = build_plugins(prep.plugin_classes, config, pstate, monitor)
     for plugin in plugins:
         plugin.on_model_built(model)
-    engine, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
+    ds, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
+    engine = DeepSpeedEngine(ds, loss_fn, pipeline=config.parallel.pipeline_model_parallel_size > 1,
+                             tp_rank=pstate.tp_rank, dp_rank=pstate.dp_rank)
     peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
                         config.logging.remeasure_peak)
     memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, config.data, run, pstate, ds_config))
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory)
     interrupts.PROGRESS.state = trainer.state
-    trainer.logger.skips = engine_hooks.install(engine, trainer.before_optimizer_step, pstate.dp_size,
-                                                overlap_bucket(ds_config, config.engine),
-                                                run.max_consecutive_skipped_iterations)
-    kill_points.install(engine.module, getattr(engine.optimizer, "optimizer", engine.optimizer))  # the soak's
+    skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
+                                overlap_bucket(ds_config, config.engine),
+                                run.max_consecutive_skipped_iterations,
+                                fuse_grad_accumulation=fusion.on("grad-accum"))
+    trainer.logger.skips = skips  # engine.step() returns its device flag (DeepSpeed's own step: its count)
+    engine.skip_flag = None if skips.mode == "deepspeed" else skips.last
+    kill_points.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # the soak's
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 
@@ -183,10 +194,10 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
     ckpt, monitor, pstate, args = config.checkpoint, trainer.monitor, trainer.pstate, prep.args
     if ckpt.load:
         trainer.load()
-        scheduler = trainer.engine.lr_scheduler
+        scheduler = trainer.engine.ds.lr_scheduler
         scheduler.load_state_dict(scheduler.state_dict())  # the new schedule's lr from the first step
     elif ckpt.load_hf:
-        hf.load_hf_weights(trainer.engine, pstate, ckpt.load_hf)
+        hf.load_hf_weights(trainer.engine.ds, pstate, ckpt.load_hf)
         monitor.line(f" loaded the weights of {ckpt.load_hf}")
     elif config.logging.run_dir:  # a named run restarted before its first checkpoint: its logs start over
         trainer.continue_logs(-1, -1)

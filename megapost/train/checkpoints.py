@@ -14,6 +14,7 @@ from megapost.checkpoint import io as checkpoint_io
 from megapost.checkpoint import saver
 from megapost.checkpoint.folder import ASIDE, CheckpointFolder
 from megapost.config.resolved import Config
+from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
 from megapost.train.logger import host_norms
@@ -35,12 +36,13 @@ def to_host(tree: Any) -> Any:
 
 class CheckpointManager:
     """Saves/loads ``engine`` and the ``state`` (a TrainState) of this rank, as ``config`` says (its
-    checkpoint section; the layout and flags a checkpoint records)."""
+    checkpoint section; the layout and flags a checkpoint records). The checkpoint package still reads
+    DeepSpeed's engine itself (``engine.ds``); the in-memory snapshot goes through the Engine."""
 
-    def __init__(self, config: Config, engine: Any, pstate: ParallelState, state: Any,
+    def __init__(self, config: Config, engine: DeepSpeedEngine, pstate: ParallelState, state: Any,
                  host: PluginHost, monitor: Monitor, device: torch.device, logger: Any = None) -> None:
         """``logger``: the TrainLogger whose skip counts each tag keeps (None: none kept)."""
-        self.config, self.ckpt, self.engine = config, config.checkpoint, engine
+        self.config, self.ckpt, self.engine, self.ds = config, config.checkpoint, engine, engine.ds
         self.pstate, self.state = pstate, state
         self.host, self.monitor, self.device, self.logger = host, monitor, device, logger
 
@@ -56,7 +58,7 @@ class CheckpointManager:
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
         pending = [t for (_, loss, norm, _), n in zip(st.losses, norms, strict=True)
                    if n is None or math.isfinite(n) for t in (loss, norm)]
-        tag = saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self._states(),
+        tag = saver.save(self.ds, self.config, st.iteration, st.consumed_samples, self._states(),
                          self.pstate, checked=pending, device=self.device)
         done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.ckpt.save}/{tag}")
@@ -90,9 +92,9 @@ class CheckpointManager:
         """Before the optimizer step, a rollback or a load: a background save's snapshot is taken.
         Under --async-save, before the second step (the moments exist), the host buffer is allocated."""
         saver.before_state_changes()
-        if self.ckpt.async_save and self.engine.global_steps >= 1 and not getattr(self, "_reserved", False):
+        if self.ckpt.async_save and self.ds.global_steps >= 1 and not getattr(self, "_reserved", False):
             self._reserved = True
-            saver.reserve_host(self.engine, self.config, self._states(), self.pstate)
+            saver.reserve_host(self.ds, self.config, self._states(), self.pstate)
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""
@@ -107,7 +109,7 @@ class CheckpointManager:
     def load(self) -> None:
         saver.before_state_changes()
         run = checkpoint_io.RunLayout.of(self.config.flags)
-        it, consumed, states = checkpoint_io.load(self.engine, self.ckpt, run, self.pstate)
+        it, consumed, states = checkpoint_io.load(self.ds, self.ckpt, run, self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         skips = states.pop(SKIPS_KEY, {})
         if self.logger is not None:
@@ -119,22 +121,17 @@ class CheckpointManager:
     def snapshot(self) -> dict[str, Any]:
         """This rank's state to continue exactly from here (ZeRO-0 fp32: module and optimizer state_dict
         copied to host memory), the lr schedule, RNG and data position."""
-        eng = self.engine
-        return {"module": to_host(eng.module.state_dict()),
-                "optimizer": to_host(eng.optimizer.state_dict()),
-                "scheduler": eng.lr_scheduler.state_dict(), "rng": checkpoint_io.rng_state(),
-                "iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
-                "global_steps": eng.global_steps, "global_samples": eng.global_samples}
+        snap = self.engine.state_dict()
+        return {**snap, "module": to_host(snap["module"]), "optimizer": to_host(snap["optimizer"]),
+                "rng": checkpoint_io.rng_state(), "iteration": self.state.iteration,
+                "consumed_samples": self.state.consumed_samples}
 
     def restore(self, snap: dict[str, Any], skip_data: bool = False) -> None:
         """Engine, schedule, RNG and counters back to ``snap``; ``skip_data`` keeps the data position."""
-        eng = self.engine
         saver.before_state_changes()
-        eng.module.load_state_dict(snap["module"])
-        eng.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))  # it keeps (and updates) the tensors
-        eng.lr_scheduler.load_state_dict(snap["scheduler"])
+        # the optimizer keeps (and updates) the tensors it loads: a copy, so the snapshot stays
+        self.engine.load_state_dict({**snap, "optimizer": copy.deepcopy(snap["optimizer"])})
         checkpoint_io.set_rng_state(snap["rng"])
-        eng.global_steps, eng.global_samples = snap["global_steps"], snap["global_samples"]
         self.state.iteration = snap["iteration"]
         if not skip_data:
             self.state.consumed_samples = snap["consumed_samples"]

@@ -34,12 +34,12 @@ class Evaluator:
                 kill_points.hit("eval")  # the soak (tools/soak.py): a rank killed between eval batches
             if runner.pipeline:
                 # the last stage returns a 0-d loss, the others DeepSpeed's broadcast copy of shape [1]
-                loss = engine.eval_batch(data_iter=batches).detach().float().reshape(())
+                loss = engine.forward_only(batches, runner.grad_accum_steps).detach().float().reshape(())
                 total += runner.dp_mean(loss)
             else:
-                engine.eval()
+                engine.train(False)
                 total += runner.micro_losses(batches, backward=False)
-                engine.train()
+                engine.train(True)
         return float(total) / self.eval_iters
 
     def validate(self, iteration: int, history: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """The training logger: per-interval monitor lines and TensorBoard scalars (loss, lr, grad norm, z-loss,
 skipped iterations, throughput), the non-finite stop, and the one-time measured-vs-planned memory report.
 
-A step whose grad norm is not finite was skipped (``megapost.engine.skips``): it is counted, not an
+A step whose grad norm is not finite was skipped (``megapost.optim.skips``): it is counted, not an
 error; the run stops after ``--max-consecutive-skipped-iterations`` in a row, or at a non-finite loss
 of a step that was not skipped (or where nothing skips: ZeRO-0 fp32 SGD)."""
 
@@ -15,10 +15,10 @@ import torch
 
 from megapost.checkpoint import finite_guard
 from megapost.config.resolved import LoggingConfig
-from megapost.engine import param_stats
-from megapost.engine.skips import SkipCounter
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput, memory_gb
+from megapost.optim import param_stats
+from megapost.optim.skips import SkipCounter
 
 
 def host_norms(norms: list[Any]) -> list[float | None]:
@@ -35,7 +35,7 @@ def host_norms(norms: list[Any]) -> list[float | None]:
 
 def mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
     """``MFU 41.0% (causal 37.2%)``: Megatron's convention first; unknown without a peak."""
-    if peak_tflops <= 0:
+    if peak_tflops <= 0 or "mfu" not in perf:
         return "MFU unknown: pass --peak-tflops"
     if perf["mfu"] > 1.0:  # impossible: the peak it divides by is too low (warned once)
         return "MFU n/a (above 100%: the peak is too low)"
@@ -43,7 +43,7 @@ def mfu_text(perf: dict[str, float], peak_tflops: float) -> str:
     return f"MFU {100 * perf['mfu']:.1f}%{causal}"
 
 class ParamStats:
-    """--log-params-norm and --log-num-zeros-in-grad (megapost.engine.param_stats): the zero count kept
+    """--log-params-norm and --log-num-zeros-in-grad (megapost.optim.param_stats): the zero count kept
     as a device tensor at each logging step's optimizer step, both summed over ranks and read at log
     time (every rank calls ``report`` at the same log lines)."""
 
@@ -201,7 +201,7 @@ class TrainLogger:
         extra = "" if self.stats is None else self.stats.report(st.iteration, self.tokens_per_step,
                                                                  self.monitor, self.options)
         perf = self.throughput.report()
-        if perf["mfu"] > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
+        if perf.get("mfu", 0.0) > 1.0 and not self._peak_warned:  # the figure MFU divides by cannot be right
             self._peak_warned = True
             self.monitor.line(f" warning: MFU {100 * perf['mfu']:.0f}% > 100%: the peak it divides by "
                               f"({self.throughput.peak_tflops:.4g} TFLOP/s/device) is too low, e.g. a CPU "

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from megapost.engine import accessors
+from megapost.optim import accessors
 from megapost.plugin_api import Plugin
 
 

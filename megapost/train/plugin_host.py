@@ -21,8 +21,8 @@ def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 
 
 class PluginBatches:
-    """Iterator wrapper that shows every micro-batch to the plugins measuring this step; under PP it
-    hands the pipeline engine device tensors (its own ``.to(device)`` would block per micro-batch)."""
+    """Iterator wrapper that shows every micro-batch to the plugins measuring this step and hands the
+    engine device tensors (the pipeline engine's own ``.to(device)`` would block per micro-batch)."""
 
     def __init__(self, it: Iterator[dict[str, Any]], pipeline: bool,
                  device: torch.device | None = None) -> None:
@@ -37,11 +37,10 @@ class PluginBatches:
         batch = next(self.it)
         for plugin in self.active:
             plugin.on_micro_batch(self.step, batch)
+        tokens, labels, mask = (to_device(batch[k], self.device) for k in ("tokens", "labels", "loss_mask"))
         if self.pipeline:
-            tokens, labels, mask = (to_device(batch[k], self.device)
-                                    for k in ("tokens", "labels", "loss_mask"))
             return (tokens,), (labels, mask)
-        return batch
+        return {"tokens": tokens, "labels": labels, "loss_mask": mask}
 
 
 class PluginHost:
@@ -70,11 +69,11 @@ class PluginHost:
         return active
 
     def end_step(self, step: int, active: list[Plugin], loss: Any) -> None:
-        """The step's loss to its active plugins (one host read, only when some are active)."""
-        if active:
-            loss_value = float(loss)
-            for plugin in active:
-                plugin.on_step_end(step, loss_value)
+        """The step's loss to its active plugins: the device tensor to those with ``loss_on_device``, else
+        a float (one host read, only when such a plugin is active)."""
+        value = float(loss) if any(not p.loss_on_device for p in active) else None
+        for plugin in active:
+            plugin.on_step_end(step, loss if plugin.loss_on_device else value)
 
     def before_optimizer_step(self, step: int) -> None:
         for plugin in self.active:

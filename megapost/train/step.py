@@ -1,5 +1,5 @@
-"""The step runner: one optimizer step (or a forward-only pass) of micro-batches through the DeepSpeed
-engine, the data-parallel mean of its loss, and the engine's grad norm as it keeps it."""
+"""The step runner: one optimizer step (or a forward-only pass) of micro-batches through the Engine
+(megapost.engine), the data-parallel mean of its loss, and the engine's grad norm as it keeps it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapost.engine import Engine
 from megapost.parallel.state import ParallelState
-from megapost.train.plugin_host import PluginBatches, PluginHost, to_device
+from megapost.train.plugin_host import PluginBatches, PluginHost
 
 
 class StepRunner:
     """Runs steps of ``grad_accum_steps`` micro-batches from ``train_iter_fn(consumed_samples)``."""
 
-    def __init__(self, engine: Any, loss_fn: Any, pstate: ParallelState, device: torch.device,
+    def __init__(self, engine: Engine, loss_fn: Any, pstate: ParallelState, device: torch.device,
                  grad_accum_steps: int, pipeline: bool, host: PluginHost,
                  train_iter_fn: Callable[[int], Iterator[dict[str, Any]]] | None) -> None:
         self.engine, self.loss_fn, self.pstate, self.device = engine, loss_fn, pstate, device
@@ -36,20 +37,15 @@ class StepRunner:
             value /= self.pstate.dp_size
         return value
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return to_device(t, self.device)
-
     def micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
-        losses = []
-        for _ in range(self.grad_accum_steps):
-            batch = next(batches)
-            tokens, labels, mask = (self._to_device(batch[k]) for k in ("tokens", "labels", "loss_mask"))
-            loss = self.loss_fn(self.engine(tokens), labels, mask)
-            if backward:
-                self.engine.backward(loss)
-                self.engine.step()
-            losses.append(loss.detach().float())
-        return self.dp_mean(torch.stack(losses).mean())
+        """The data-parallel mean loss of one step's micro-batches: forward and backward (the optimizer
+        step follows), or forward only."""
+        if backward:
+            loss = self.engine.forward_backward(batches, self.grad_accum_steps)
+            self.engine.step()
+        else:
+            loss = self.engine.forward_only(batches, self.grad_accum_steps)
+        return self.dp_mean(loss)
 
     def skip_batches(self) -> None:
         """Consume one optimizer step's micro-batches without running them (--iterations-to-skip)."""
@@ -69,8 +65,9 @@ class StepRunner:
         assert self.batches is not None
         active = self.host.begin_step(step, self.batches, self.engine.module)
         self.host.active = active
-        if self.pipeline:
-            loss = self.engine.train_batch(data_iter=self.batches).detach().float()
+        if self.pipeline:  # DeepSpeed's pipeline engine returns the data-parallel mean itself
+            loss = self.engine.forward_backward(self.batches, self.grad_accum_steps)
+            self.engine.step()
         else:
             loss = self.micro_losses(self.batches, backward=True)
         self.host.end_step(step, active, loss)
@@ -87,7 +84,7 @@ class StepRunner:
         self.host.begin_step(0, batches, self.engine.module, active)
         with torch.no_grad():
             if self.pipeline:
-                loss = self.engine.eval_batch(data_iter=batches)
+                loss = self.engine.forward_only(batches, self.grad_accum_steps)
             else:
                 loss = self.micro_losses(batches, backward=False)
         self.host.end_step(0, active, loss)
@@ -95,5 +92,5 @@ class StepRunner:
     def grad_norm(self) -> Any:
         """The engine's global grad norm as it keeps it (a device tensor on some paths): converted
         only at log time, so a step costs no extra host sync."""
-        norm = self.engine.get_global_grad_norm()
+        norm = self.engine.grad_norm()
         return norm.detach() if isinstance(norm, torch.Tensor) else norm

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megapost.config.resolved import Config
+from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput
 from megapost.parallel.state import ParallelState
@@ -37,7 +38,7 @@ class TrainState:
 class Trainer:
     """Owns the engine and runs ``--train-iters`` optimizer steps."""
 
-    def __init__(self, config: Config, engine: Any, loss_fn: Any,
+    def __init__(self, config: Config, engine: DeepSpeedEngine, loss_fn: Any,
                  pstate: ParallelState, train_iter_fn: Callable[[int], Iterator[Any]] | None,
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
                  monitor: Monitor, peak_tflops: float, device: torch.device,
@@ -63,7 +64,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
                                              self.logger)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
-        self.host.bind(engine, self.snapshot, self.restore)
+        self.host.bind(engine.ds, self.snapshot, self.restore)  # plugin services read DeepSpeed's engine
 
     @property
     def plugins(self) -> list[Plugin]:
@@ -77,7 +78,7 @@ class Trainer:
         return self.runner.train_step(step)
 
     def before_optimizer_step(self) -> None:
-        """The engine hook (megapost.engine.hooks): gradients reduced, not yet applied."""
+        """The engine hook (megapost.optim.hooks): gradients reduced, not yet applied."""
         self.checkpoints.before_state_changes()  # an async save's snapshot is taken before the step
         self.logger.before_optimizer_step(self.state.iteration + 1)  # --log-num-zeros-in-grad
         self.host.before_optimizer_step(self.state.iteration + 1)
@@ -111,9 +112,12 @@ class Trainer:
         return self.logger.memory_report
 
     def close(self) -> None:
-        """The plugins' and the writers' files, closed."""
+        """The plugins' and the writers' files closed, and the engine destroyed: DeepSpeed's gradient
+        hooks and parameter mappings hold its optimizer (fp32 masters, moments, gradient buffers) alive
+        from the model's parameters until then. The module's weights stay readable."""
         self.host.close()
         self.monitor.close()
+        self.engine.destroy()
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -131,7 +135,7 @@ class Trainer:
         self.checkpoints.poll()  # a background save: published, or its failure raised, on every rank
         if st.iteration + 1 in run.iterations_to_skip:
             return self._skip_iteration()
-        lr = self.engine.get_lr()[0]
+        lr = self.engine.lr()
         lr = lr.clone() if isinstance(lr, torch.Tensor) else lr  # a device lr changes in place
         self.logger.skips.iteration = st.iteration + 1  # where a run of skips reaching the limit is
         loss = runner.train_step(st.iteration + 1)

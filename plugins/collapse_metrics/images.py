@@ -14,10 +14,12 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import torch
 
 from .table import SUBLAYERS
 from .tb_layout import layer_output
 
+TITLE_PT, TICK_PT = 11, 10  # text sizes in a 9-inch figure: readable in TensorBoard's ~500 px card
 # title, JSONL field (None: the layer output's t_sim), per sublayer?, log scale?
 QUANTITIES = (("t_sim of the layer output", None, False, False),
               ("RMSNorm factor sqrt(d)/||u||", "rms_factor_mean", True, True),
@@ -39,12 +41,15 @@ def _spans_decades(values: np.ndarray) -> bool:
 
 
 def _grid() -> tuple[Any, Any]:
-    """A 2 x 3 figure, off pyplot (no GUI backend, nothing to close)."""
+    """A 2 x 3 figure, off pyplot (no GUI backend, nothing to close). Small in inches, so its text is
+    large beside the panels: TensorBoard's card shows it scaled to ~500 px and it still reads there."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 7), dpi=72)
+    fig = Figure(figsize=(9, 5.4), dpi=100)
     axes = fig.subplots(2, 3).ravel()
-    fig.subplots_adjust(left=0.05, right=0.97, bottom=0.08, top=0.95, wspace=0.3, hspace=0.35)
+    fig.subplots_adjust(left=0.06, right=0.97, bottom=0.09, top=0.9, wspace=0.45, hspace=0.5)
+    for ax in axes:
+        ax.tick_params(labelsize=TICK_PT)
     return fig, axes
 
 
@@ -56,6 +61,13 @@ class DepthImages:
         self.steps: deque[int] = deque(maxlen=max_steps)
         self.columns: deque[list[np.ndarray]] = deque(maxlen=max_steps)  # per quantity: [rows]
 
+    def copy(self) -> DepthImages:
+        """The values so far, frozen (a figure drawn from it does not see later steps)."""
+        other = DepthImages(self.layers, self.steps.maxlen or 2000)
+        other.steps.extend(self.steps)
+        other.columns.extend(self.columns)
+        return other
+
     def add(self, step: int, records: list[dict[str, Any]]) -> None:
         by = {(r["layer"], r["sublayer"]): r for r in records}
         col = []
@@ -65,6 +77,27 @@ class DepthImages:
             col.append(np.array([_value(by.get(key), field) for key in keys], dtype=np.float64))
         self.steps.append(step)
         self.columns.append(col)
+
+    def _sizes(self) -> list[int]:
+        """Rows per quantity in a column (per-sublayer quantities have a row per sublayer)."""
+        return [len(self.layers) * (len(SUBLAYERS) if per_sub else 1) for _, _, per_sub, _ in QUANTITIES]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history as one [steps, rows] float64 tensor (a checkpoint stores it as a tensor)."""
+        flat = [np.concatenate(col) for col in self.columns]
+        return {"layers": list(self.layers), "steps": list(self.steps),
+                "columns": torch.from_numpy(np.stack(flat)) if flat else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved history; none when the measured layers changed (--collapse-layers)."""
+        self.steps.clear()
+        self.columns.clear()
+        if tuple(state["layers"]) != tuple(self.layers) or state["columns"] is None:
+            return
+        cuts = np.cumsum(self._sizes())[:-1]
+        for step, row in zip(state["steps"], np.asarray(state["columns"], dtype=np.float64), strict=True):
+            self.steps.append(int(step))
+            self.columns.append(list(np.split(row, cuts)))
 
     def profiles(self) -> Any:
         """One panel per quantity: value against layer index at up to three measured steps."""
@@ -83,10 +116,10 @@ class DepthImages:
                     ax.plot(x, rows[:, j], color=shade, ls="-" if j == 0 else "--", lw=1.4, label=label)
             if log and _spans_decades(np.concatenate([self.columns[i][q] for i in picks])):
                 ax.set_yscale("log")
-            ax.set_title(title + ("  (attn -, ffn --)" if per_sub else ""), fontsize=10)
-            ax.set_xlabel("layer")
+            ax.set_title(title + ("\n(attn -, ffn --)" if per_sub else ""), fontsize=TITLE_PT)
+            ax.set_xlabel("layer", fontsize=TICK_PT)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
+        axes[0].legend(fontsize=TICK_PT)
         return fig
 
     def heatmaps(self, marks: dict[int, str] | None = None) -> Any:
@@ -106,7 +139,7 @@ class DepthImages:
             im = ax.imshow(data, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
                            extent=(-0.5, len(steps) - 0.5, 0.5, n + 0.5), norm=norm,
                            **({} if log else {"vmin": 0.0, "vmax": 1.0}))  # t_sim: 0..1
-            ticks = np.linspace(0, len(steps) - 1, num=min(6, len(steps))).round().astype(int)
+            ticks = np.linspace(0, len(steps) - 1, num=min(4, len(steps))).round().astype(int)
             ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
             yt = np.linspace(0, n - 1, num=min(8, n)).round().astype(int)
             ax.set_yticks(yt + 1, [str(self.layers[i]) for i in yt])
@@ -114,8 +147,8 @@ class DepthImages:
                 if step in steps:
                     ax.axvline(steps.index(step), color="red", lw=1.2, ls=":")
                     ax.text(steps.index(step), n + 0.5, f" {label}", color="red", fontsize=8, va="top")
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("step")
-            ax.set_ylabel("layer")
-            fig.colorbar(im, ax=ax)
+            ax.set_title(title, fontsize=TITLE_PT)
+            ax.set_xlabel("step", fontsize=TICK_PT)
+            ax.set_ylabel("layer", fontsize=TICK_PT)
+            fig.colorbar(im, ax=ax).ax.tick_params(labelsize=TICK_PT)
         return fig

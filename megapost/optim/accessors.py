@@ -20,20 +20,7 @@ from torch import nn
 
 from megapost.ds_adapter import fragments
 
-
-def owned_grad(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
-    """The part of ``param``'s reduced gradient whose squared norm this rank contributes (or None)."""
-    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
-        return None
-    if fragments.has_bf16_grad(param):  # DeepSpeed BF16_Optimizer
-        return fragments.grad_fragment(param)
-    if param.grad is not None:
-        return param.grad if dp_rank == 0 else None
-    if hasattr(param, "ds_id"):  # ZeRO-3
-        return fragments.local_zero3_grad(param)
-    if fragments.is_mapped(param):  # ZeRO 1/2
-        return fragments.grad_fragment(param)
-    return None
+owned_grad = fragments.owned_grad  # the rule above, where DeepSpeed's fragments are read
 
 
 def owned_master(param: nn.Parameter, tp_rank: int, dp_rank: int) -> torch.Tensor | None:
@@ -71,7 +58,7 @@ def optimizer_hyperparameters(engine: Any) -> dict[str, Any]:
 
 
 def scale_lr(engine: Any, lr: float, warmup: float, rewarm: tuple[int, int, float] | None = None) -> None:
-    """Scale the engine's lr schedule (megapost.engine.schedule.WarmupDecaySchedule): peak and minimum
+    """Scale the engine's lr schedule (megapost.optim.schedule.WarmupDecaySchedule): peak and minimum
     lr by ``lr``, warmup length by ``warmup``, relative to the configured values; ``rewarm`` adds a
     second warmup (``schedule.rewarm_scale``)."""
     scheduler = getattr(engine, "lr_scheduler", None)

@@ -5,7 +5,7 @@ model, in fp32 unless ``--grad-reduce-in-bf16``.
 DeepSpeed routes ``--bf16`` at ZeRO stage 1 with fp32 accumulation to its BF16 optimizer, which
 accumulates every micro-batch's gradients in fp32 and all-reduces them once, in one blocking pass
 after the last micro-batch's backward; with overlap megapost's own hooks (megapost.ds_adapter.overlap,
-installed by megapost.engine.hooks) all-reduce each bucket of that fp32 buffer asynchronously as soon
+installed by megapost.optim.hooks) all-reduce each bucket of that fp32 buffer asynchronously as soon
 as the last micro-batch's backward has produced its gradients, as Megatron-core's DDP does. DeepSpeed's
 ZeRO optimizer (fp32 ZeRO-1/2, bf16 ZeRO-2) reduces a bucket from inside the backward hooks as soon as
 it fills (``overlap_comm``): at stage 1 only on the last micro-batch of a step, at stage 2 on every

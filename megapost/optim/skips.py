@@ -26,7 +26,7 @@ class SkipCounter:
     it), the total, the current and the longest run of consecutive skips, and where a run reached
     ``limit``. The trainer sets ``iteration`` (a host int) before each step: no host read."""
 
-    mode = "device"  # how a non-finite step is skipped (megapost.ds_adapter.engine.install): device,
+    mode = "device"  # how a non-finite step is skipped (megapost.ds_adapter.step_hooks.install): device,
     # deepspeed (DeepSpeed's own host-synchronising step, counted by it) or none
     skipped_by_deepspeed: Callable[[], int] = staticmethod(lambda: 0)
     KEYS = ("total", "consecutive", "longest", "reached_at")

@@ -11,6 +11,7 @@ from typing import Any
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from megapost.ds_adapter import grad_accum
 from megapost.ds_adapter.steps import (
     Record,
     clip_fp32_grads,
@@ -27,7 +28,8 @@ def _fp32_path(engine: Any) -> bool:
     return not (engine.bfloat16_enabled() or engine.fp16_enabled() or engine.zero_optimization())
 
 
-def install(engine: Any, before_step: Callable[[], None], record: Record) -> str:
+def install(engine: Any, before_step: Callable[[], None], record: Record,
+            fuse_grad_accumulation: bool = True) -> str:
     """Wrap ``engine._take_model_step`` (shared by DeepSpeed's plain and pipeline engines) and install
     the sync-free step of the engine's optimizer. Returns how a non-finite gradient norm is skipped:
     "device" (its flag handed to ``record`` every step), "deepspeed" (DeepSpeed's own host-synchronising
@@ -60,6 +62,8 @@ def install(engine: Any, before_step: Callable[[], None], record: Record) -> str
     engine.clip_fp32_gradients = clip_fp32_gradients
     if isinstance(engine.optimizer, BF16_Optimizer):
         on_device = install_bf16_step(engine.optimizer, record)
+        if fuse_grad_accumulation:
+            grad_accum.install(engine.optimizer)  # one mixed-dtype add_ per gradient, no cast kernel
     elif isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         on_device = install_zero_step(engine.optimizer, record)
     if hasattr(engine, "train_batch") and hasattr(engine, "_aggregate_total_loss"):

@@ -1,31 +1,30 @@
-"""Megatron-LM's ``--log-params-norm`` and ``--log-num-zeros-in-grad`` over a DeepSpeed engine: each
-rank adds up the part of the fp32 masters / reduced gradients it owns (megapost.engine.accessors), one
-sum over all ranks gives the whole model's value. The local parts stay device tensors (no host sync);
-the caller sums and reads them on logging steps only."""
+"""Megatron-LM's ``--log-params-norm`` and ``--log-num-zeros-in-grad``: each rank adds up the part of
+the fp32 masters / reduced gradients it owns (``megapost.optim.accessors.owned_master``, the Engine's
+``owned_grad``), one sum over all ranks gives the whole model's value. The local parts stay device
+tensors (no host sync); the caller sums and reads them on logging steps only."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megapost.engine.accessors import owned_grad, owned_master
+from megapost.engine import Engine
+from megapost.optim.accessors import owned_master
 
 
-def _params(engine: Any) -> list[torch.nn.Parameter]:
+def _params(engine: Engine) -> list[torch.nn.Parameter]:
     return [p for p in engine.module.parameters() if p.requires_grad]
 
 
-def local_zeros_in_grad(engine: Any, tp_rank: int, dp_rank: int) -> torch.Tensor:
+def local_zeros_in_grad(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Tensor:
     """Exactly-zero elements of the reduced gradient this rank owns (before the optimizer step)."""
-    parts = [g for p in _params(engine) if (g := owned_grad(p, tp_rank, dp_rank)) is not None]
+    parts = [g for p in _params(engine) if (g := engine.owned_grad(p)) is not None]
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=_device(engine))
     return torch.stack([(g.numel() - torch.count_nonzero(g)).to(torch.float64) for g in parts]).sum()
 
 
-def local_params_sq(engine: Any, tp_rank: int, dp_rank: int) -> torch.Tensor:
+def local_params_sq(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Tensor:
     """Sum of squares (fp32 accumulation, returned fp64) of the fp32 master weights this rank owns."""
     parts = [m for p in _params(engine) if (m := owned_master(p, tp_rank, dp_rank)) is not None]
     if not parts:
@@ -41,5 +40,5 @@ def world_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _device(engine: Any) -> torch.device:
+def _device(engine: Engine) -> torch.device:
     return next(engine.module.parameters()).device

@@ -1,6 +1,0 @@
-"""Everything that talks to DeepSpeed: the generated DeepSpeed config, the optimizer and lr schedule
-handed to ``deepspeed.initialize``, the hooks megapost adds to the engine, and the accessors for the
-engine's private state (gradients, clip coefficient) that the rest of megapost and the plugins need.
-
-May import ``megapost.parallel``, ``megapost.model``, ``megapost.config`` and ``megapost.utils``.
-"""
