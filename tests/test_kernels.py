@@ -208,6 +208,7 @@ def _tp_attention_check(groups: int) -> float:
     return _rel(got, want)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("groups", [4, 1])
 def test_packed_qkv_under_tensor_parallelism_matches_the_full_block(groups: int) -> None:
     """MHA (heads split) and GQA with one K/V group (replicated over both ranks)."""
