@@ -37,6 +37,7 @@ class Counts:
         self.payload: dict[str, int] = defaultdict(int)
         self.wire: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.by_group: dict[tuple[int, ...], float] = defaultdict(float)  # wire bytes per group's ranks
 
 
 COUNTS = Counts()
@@ -62,6 +63,9 @@ def _wrap(name: str, fn: Any) -> Any:
             COUNTS.payload[name] += size
             COUNTS.wire[name] += ring * (n - 1) / n * size
             COUNTS.calls[name] += 1
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(n))
+            COUNTS.by_group[ranks] += ring * (n - 1) / n * size
         return fn(*args, **kwargs)
 
     return counted
@@ -98,35 +102,58 @@ def count_step(argv: list[str]) -> dict[str, Any]:
         finally:
             COUNTS.enabled = False
 
-    for d in (COUNTS.payload, COUNTS.wire, COUNTS.calls):
+    for d in (COUNTS.payload, COUNTS.wire, COUNTS.calls, COUNTS.by_group):
         d.clear()
     trainer, history = train_with_step(argv, train_step)
     from megapost.ds_adapter.overlap import installed
+    from megapost.parallel.state import get_parallel_state
 
     engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine
     overlap = installed(engine)
-    return {"overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
+    losses = history["train_loss"]
+    return {"by_axis": _by_axis(get_parallel_state()),
+            "overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
             "payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
             "params": sum(p.numel() for p in engine.module.parameters()),
             "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
-            "rank": dist.get_rank(), "loss": history["train_loss"][max(history["train_loss"])]}
+            "rank": dist.get_rank(), "loss": losses[max(losses)] if losses else None}
+
+
+def _by_axis(state: Any) -> dict[str, float]:
+    """The wire bytes counted, by the axis of the group they ran on (dp, tp, pp, world or other)."""
+    import torch.distributed as dist
+
+    axes = {}
+    for axis in ("dp", "tp", "pp"):
+        group = getattr(state, f"{axis}_group")
+        if group is not None:
+            axes.setdefault(tuple(dist.get_process_group_ranks(group)), axis)
+    axes.setdefault(tuple(range(dist.get_world_size())), "world")
+    out: dict[str, float] = defaultdict(float)
+    for ranks, wire in COUNTS.by_group.items():
+        out[axes.get(ranks, "other")] += wire
+    return dict(out)
 
 
 MODEL = dict(vocab_size=256, num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4,
              seq_length=32)  # 3.3M parameters: the small collectives (loss, norm) are < 0.01 % of a step
 
 
+def _flag(flags: list[str], name: str) -> int:
+    return int(flags[flags.index(name) + 1]) if name in flags else 1
+
+
 def count_runs(runs: list[tuple[int, list[str]]]) -> list[dict[str, Any]]:
     """``count_step`` of each (micro-batches per step, extra flags) in turn at micro-batch 1, on this
-    rank of a DP group, on the synthetic corpus of ``tests/dist_utils``."""
+    rank (data parallelism: the world over the flags' tensor and pipeline sizes), on the synthetic corpus
+    of ``tests/dist_utils``."""
     import shutil
 
     import torch.distributed as dist
     from dist_utils import RunSpec, _model_flags, tiny_config, write_token_stream
 
     cfg = tiny_config(**MODEL)
-    dp = dist.get_world_size()
-    spec = RunSpec(steps=COUNTED_STEP, global_batch=8 * dp)
+    spec = RunSpec(steps=COUNTED_STEP, global_batch=8 * dist.get_world_size())
     tmp = [tempfile.mkdtemp(prefix="megapost-bytes-") if dist.get_rank() == 0 else None]
     if tmp[0] is not None:
         write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
@@ -134,6 +161,8 @@ def count_runs(runs: list[tuple[int, list[str]]]) -> list[dict[str, Any]]:
     out = []
     try:
         for micro_batches, flags in runs:
+            dp = dist.get_world_size() // (_flag(flags, "--tensor-model-parallel-size")
+                                           * _flag(flags, "--pipeline-model-parallel-size"))
             argv = [*_model_flags(cfg), "--data-path", os.path.join(tmp[0], "tokens"), "--split", "1,0,0",
                     "--micro-batch-size", "1", "--global-batch-size", str(micro_batches * dp),
                     "--train-iters", str(COUNTED_STEP), "--lr", "1e-3", "--eval-interval", "0",
@@ -146,9 +175,10 @@ def count_runs(runs: list[tuple[int, list[str]]]) -> list[dict[str, Any]]:
     return out
 
 
-def run_counts(runs: list[tuple[int, list[str]]], dp: int = 2) -> list[list[dict[str, Any]]]:
+def run_counts(runs: list[tuple[int, list[str]]], dp: int = 2, timeout: float = 900
+               ) -> list[list[dict[str, Any]]]:
     """``count_runs(runs)`` on ``dp`` gloo ranks (one launch): per rank, per run."""
     from dist_utils import run_ranks
 
     torch.set_num_threads(1)
-    return run_ranks(count_runs, dp, runs, setup=install, timeout=900)
+    return run_ranks(count_runs, dp, runs, setup=install, timeout=timeout)

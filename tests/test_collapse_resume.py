@@ -14,7 +14,7 @@ from launch_utils import pretrain, read_scalars, tiny_model_flags
 
 from megapost.checkpoint import layout_free
 
-pytestmark = pytest.mark.slow  # a 2-rank launch
+pytestmark = pytest.mark.integration  # three short runs, one of them on 2 ranks
 
 ITERS, STOP = 10, 6
 

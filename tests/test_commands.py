@@ -33,6 +33,7 @@ def test_the_user_commands_are_declared() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("command", sorted(console_scripts()))
+@pytest.mark.integration
 def test_command_answers_help(command: str) -> None:
     path = BIN / command
     assert path.is_file(), f"{command} is not installed beside {sys.executable}: pip install -e . again"
@@ -57,6 +58,14 @@ def test_old_tool_paths_run_the_same_commands() -> None:
                           ("convert_to_hf", "--load LOAD")):
         proc = _run([sys.executable, f"tools/{script}.py", "--help"])
         assert proc.returncode == 0 and usage in proc.stdout, (script, proc.stderr[-1000:])
+
+
+def test_every_doc_is_indexed() -> None:
+    """docs/README.md names every page of docs/."""
+    index = (REPO / "docs/README.md").read_text()
+    pages = [p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md"]
+    missing = [name for name in pages if f"`{name}`" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"
 
 
 def test_every_tool_and_benchmark_is_indexed() -> None:

@@ -210,6 +210,7 @@ def _tp_attention_check(groups: int) -> float:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("groups", [4, 1])
+@pytest.mark.integration
 def test_packed_qkv_under_tensor_parallelism_matches_the_full_block(groups: int) -> None:
     """MHA (heads split) and GQA with one K/V group (replicated over both ranks)."""
     assert max(run_ranks(_tp_attention_check, 2, groups)) <= 1e-5

@@ -73,6 +73,7 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     (["--hidden-dropout", "0.1"], "dropout is not supported"),
     (["--num-experts", "8"], "mixture-of-experts is not supported"),
     (["--context-parallel-size", "2"], "context parallelism is not supported"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "the interleaved pipeline schedule is not supported"),
     (["--lr-decay-style", "WSD"], "needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
       "--num-layers", "4"], "recomputing only some layers of a stage is not supported"),

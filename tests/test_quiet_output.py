@@ -22,6 +22,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.integration
 def test_plan_json_is_only_json() -> None:
     cmd = [sys.executable, "-m", "megapost.plan", "--preset", "tiny-cpu", "--gpus", "1", "--json"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300, check=True)
@@ -29,7 +30,7 @@ def test_plan_json_is_only_json() -> None:
     assert NOTICE not in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow  # a 2-rank launch
+@pytest.mark.integration  # a 2-rank launch
 def test_one_accelerator_notice_per_launch(tiny_data) -> None:
     flags = tiny_model_flags(tiny_data, **{"--train-iters": 1, "--lr-warmup-iters": 0})
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megapost.pretrain",

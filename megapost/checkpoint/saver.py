@@ -4,8 +4,9 @@ background thread; global rank 0 publishes the tag once every rank says its file
 A tag is written under ``iter_XXXXXXX.tmp``; each rank's file appears under its final name only when
 complete (temp name, then rename). Nobody polls the filesystem: the ranks agree that a save is done
 with one small all-reduce (:func:`_agree`, on a CPU/gloo group, so it never waits on the device) —
-right after the write for a synchronous save, and at each step boundary while a background save is
-pending (:func:`poll`, as Megatron-LM finalises its async saves at the next steps). When every rank's
+right after the write for a synchronous save, and at step boundaries 1, 2, 4, 8, ... then every 64
+while a background save is pending (:func:`poll`, as Megatron-LM finalises its async saves at the next
+steps; every rank writes files, so every rank takes part). When every rank's
 write is done, rank 0 writes the manifest and publishes the tag (``CheckpointFolder.publish``:
 ``latest`` names it, tags beyond it are set aside, ``--save-retain`` applied); when one failed, every
 rank raises the same one-line error (the file and the OS error) at that step and ``latest`` keeps
@@ -68,6 +69,7 @@ class _Save:
     done_at: float = 0.0  # time.perf_counter() when the background write ended
     cpu_s: float = 0.0  # CPU time the background thread used
     snapshot: sharded.Snapshot | None = None  # until the training thread has waited for it
+    boundaries: int = 0  # step boundaries polled while pending (the same count on every rank)
 
     @property
     def tmp_dir(self) -> str:
@@ -224,13 +226,26 @@ def before_state_changes() -> None:
         job.snapshot = None
 
 
+POLL_EVERY_AT_MOST = 64  # step boundaries between two agreements on a long pending save
+
+
+def agreement_due(n: int) -> bool:
+    """Whether the ``n``-th step boundary (from 1) of a pending save agrees: at 1, 2, 4, 8, ... then
+    every ``POLL_EVERY_AT_MOST``: O(log) all-reduces over the world per save instead of one per step,
+    publishing at most twice as late as the write ends (the same steps on every rank: no host clock)."""
+    return n & (n - 1) == 0 or n % POLL_EVERY_AT_MOST == 0
+
+
 def poll() -> None:
-    """At a step boundary, on every rank: nothing when no background save is pending; else one small
-    all-reduce (host memory, no device sync) — every rank done: rank 0 publishes the tag; one failed:
-    every rank raises its one-line error now."""
+    """At a step boundary, on every rank: nothing when no background save is pending or no agreement is
+    due (``agreement_due``); else one small all-reduce (host memory, no device sync) — every rank done:
+    rank 0 publishes the tag; one failed: every rank raises its one-line error now."""
     global _pending
     job = _pending
     if job is None or job.thread is None:
+        return
+    job.boundaries += 1
+    if not agreement_due(job.boundaries):
         return
     alive = job.thread.is_alive()
     try:

@@ -82,6 +82,8 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", help="refused: use --bf16")
     g.add_argument("--num-experts", type=int, help="refused: megapost has no MoE")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="refused: DeepSpeed's pipeline engine has no interleaved schedule")
     g.add_argument("--train-samples", type=int, help="--train-iters = samples / global batch")
     g.add_argument("--lr-decay-samples", type=int, help="--lr-decay-iters = samples / global batch")
     g.add_argument("--lr-warmup-samples", type=int, help="--lr-warmup-iters = samples / global batch")
@@ -184,6 +186,10 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
     if args.context_parallel_size != 1:
         out.append(_refuse(f"--context-parallel-size {args.context_parallel_size}", "context parallelism "
                            "is not supported; use --sequence-parallel with --tensor-model-parallel-size"))
+    if (virtual := args.num_layers_per_virtual_pipeline_stage):
+        out.append(_refuse(f"--num-layers-per-virtual-pipeline-stage {virtual}", "the interleaved pipeline "
+                           "schedule is not supported: DeepSpeed 0.19's PipelineEngine runs only 1F1B over "
+                           "one contiguous range of layers per stage"))
     if args.rotary_percent != 1.0:
         out.append(_refuse(f"--rotary-percent {args.rotary_percent}", "only full rotary embeddings (1.0)"))
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:

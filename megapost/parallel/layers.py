@@ -72,7 +72,21 @@ def mark_sequence_parallel(param: nn.Parameter, group: Any) -> None:
         return
     param.sequence_parallel = True
     if group is not None and C.group_size(group) > 1:
-        param.register_hook(lambda grad: C.all_reduce(grad, group))
+        param.sequence_parallel_hook = param.register_hook(lambda grad: C.all_reduce(grad, group))
+
+
+def defer_sequence_parallel_reduction(module: nn.Module) -> list[nn.Parameter]:
+    """Remove the per-micro-batch all-reduce hooks of ``mark_sequence_parallel`` from ``module``'s
+    parameters and return those parameters: their gradients stay partial sums over the tensor-parallel
+    group until the caller sums them once per step (megapost.parallel.dist_optimizer's
+    ``partial_sums``), in one bucketed all-reduce instead of one per parameter per micro-batch."""
+    out = []
+    for p in module.parameters():
+        handle = p.__dict__.pop("sequence_parallel_hook", None)
+        if handle is not None:
+            handle.remove()
+            out.append(p)
+    return out
 
 
 class ColumnParallelLinear(nn.Module):

@@ -17,6 +17,10 @@ all-gather (n-1)/n):
 - ZeRO >= 1 then all-gathers the updated weights once: (n-1)/n * w * P.
 
 So ZeRO-2 moves no more than ZeRO-1 only at m = 1 (where it overlaps and keeps less memory).
+
+megapost's distributed optimizer (megapost.parallel.dist_optimizer, Megatron's): one reduce-scatter of
+the fp32-accumulated gradient per step, (n-1)/n * g * P, and one all-gather of the updated weights,
+(n-1)/n * w * P (``dist_optimizer_bytes``).
 Counted against the real trainer on gloo by tests/test_reduce_bytes.py.
 """
 
@@ -56,6 +60,16 @@ def dp_step_bytes(params: int, dp: int, zero_stage: int, micro_batches: int, bf1
     grads = k * g * params
     gather = w * params if zero_stage >= 1 else 0
     return ReduceBytes(2 * ring * grads, ring * gather, float(grads + gather), k)
+
+
+def dist_optimizer_bytes(params: int, dp: int, bf16: bool, reduce_in_bf16: bool = False) -> ReduceBytes:
+    """The distributed optimizer's bytes for ``params`` on this rank (module docstring)."""
+    if dp <= 1:
+        return ReduceBytes(0.0, 0.0, 0.0, 0)
+    ring = (dp - 1) / dp
+    g = 2 if (bf16 and reduce_in_bf16) else 4
+    w = 2 if bf16 else 4
+    return ReduceBytes(ring * g * params, ring * w * params, float((g + w) * params), 1)
 
 
 def fewer_bytes_stage(dp: int, micro_batches: int, bf16: bool, reduce_in_bf16: bool) -> int:

@@ -137,6 +137,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
     cands = candidates(cfg, args.gpus, args.global_batch_size, prec, memory_bytes=args.gpu_memory_gb * GiB,
                        cluster=cluster, margin=args.memory_margin, clip_grad=args.clip_grad,
                        reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
+                       distributed_optimizer=bool(args.use_distributed_optimizer),
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
     cands = [c for c in cands if _allowed(c.layout, args)]

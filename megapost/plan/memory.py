@@ -78,6 +78,7 @@ class Layout:
     checkpoint: bool = False
     sequence_parallel: bool = False
     checkpoint_num_layers: int = 1
+    distributed_optimizer: bool = False  # megapost.parallel.dist_optimizer (with zero_stage 1)
 
     @property
     def gpus(self) -> int:
@@ -86,7 +87,8 @@ class Layout:
     def label(self) -> str:
         ck = "ckpt" if self.checkpoint else "-"
         sp = "+SP" if self.sequence_parallel else ""
-        return (f"TP{self.tp}{sp} PP{self.pp} DP{self.dp} ZeRO-{self.zero_stage} mb{self.micro_batch} "
+        zero = "DistOpt" if self.distributed_optimizer else f"ZeRO-{self.zero_stage}"
+        return (f"TP{self.tp}{sp} PP{self.pp} DP{self.dp} {zero} mb{self.micro_batch} "
                 f"ga{self.grad_accum} {ck}")
 
 

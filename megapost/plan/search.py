@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from megapost.model import ModelConfig
 from megapost.parallel.layout import layout_errors
-from megapost.parallel.reduce_bytes import dp_step_bytes
+from megapost.parallel.reduce_bytes import dist_optimizer_bytes, dp_step_bytes
 from megapost.plan.counts import stage_parameters
 from megapost.plan.memory import Layout, Precision, RankMemory, rank_memory
 from megapost.plan.throughput import Cluster, step_parts
@@ -52,15 +52,17 @@ def comm_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool,
     sent = 2 * tokens_rank * cfg.hidden_size * e / (lay.tp if lay.sequence_parallel else 1)
     pp = sent if lay.pp > 1 else 0.0
     params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
-    dp = dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16, reduce_in_bf16).total
+    dp = (dist_optimizer_bytes(params, lay.dp, bf16, reduce_in_bf16) if lay.distributed_optimizer else
+          dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16, reduce_in_bf16)).total
     return {"tp": tp, "pp": pp, "dp": dp}
 
 
 def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, *, memory_bytes: float,
                cluster: Cluster | None = None, margin: float = 0.10, clip_grad: float = 1.0,
                micro_batches: list[int] | None = None, checkpoint_num_layers: int = 1,
-               reduce_in_bf16: bool = False) -> list[Candidate]:
-    """Every layout megapost can run on ``gpus`` GPUs, with its memory and predicted speed."""
+               reduce_in_bf16: bool = False, distributed_optimizer: bool = False) -> list[Candidate]:
+    """Every layout megapost can run on ``gpus`` GPUs, with its memory and predicted speed; with
+    ``distributed_optimizer`` ZeRO-1 is megapost's distributed optimizer (``--use-distributed-optimizer``)."""
     out: list[Candidate] = []
     cluster = cluster or Cluster()
     usable = memory_bytes * (1 - margin)
@@ -81,7 +83,8 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                     if pp > 1 and zero == 0 and not prec.bf16 and clip_grad > 0:
                         continue  # fp32 PP + clipping needs ZeRO-1 (deepspeed_config_errors)
                     for ckpt in (False, True):
-                        lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers)
+                        lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers,
+                                     distributed_optimizer and zero == 1 and dp > 1)
                         stages = rank_memory(cfg, lay, prec)
                         peak = max(m.peak for m in stages)
                         comm = comm_parts(cfg, lay, global_batch, prec.bf16, reduce_in_bf16)

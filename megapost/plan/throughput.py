@@ -16,7 +16,9 @@ dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/s
   ZeRO-1: DeepSpeed's ``overlap_comm``; bf16 ZeRO-1: megapost.ds_adapter.overlap; not under a
   pipeline): only what exceeds the backward it overlaps (every micro-batch's at ZeRO-2, the last
   one's at ZeRO-1) shows, plus the weight all-gather after the step; the ZeRO-0 reduction runs after
-  backward, all of it exposed.
+  backward, all of it exposed. megapost's distributed optimizer (``--use-distributed-optimizer``,
+  megapost.parallel.dist_optimizer, also under a pipeline) shows only its reduce-scatter beyond the
+  last micro-batch's backward and its weight gather beyond the next step's first micro-batch forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapost.model import ModelConfig
-from megapost.parallel.reduce_bytes import dp_step_bytes
+from megapost.parallel.reduce_bytes import dist_optimizer_bytes, dp_step_bytes
 from megapost.plan.counts import stage_parameters
 from megapost.plan.memory import Layout
 
@@ -80,13 +82,26 @@ def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, 
     pp = comm["pp"] / _bandwidth(cluster, lay.tp * lay.dp * lay.pp) if lay.pp > 1 else 0.0
     dp_bw = _bandwidth(cluster, lay.tp * lay.dp)
     dp = comm["dp"] / dp_bw
-    if dp_overlapped(lay, bf16):
+    if lay.distributed_optimizer and lay.dp > 1:
+        dp = _dist_optimizer_exposed(cfg, lay, bf16, compute, comm["dp"], dp_bw)
+    elif dp_overlapped(lay, bf16):
         params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
         b = dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16)
         backward = 2 / 3 * compute / lay.grad_accum  # one micro-batch's backward
         per_reduction = b.gradients / b.reductions / dp_bw
         dp = b.reductions * max(0.0, per_reduction - backward) + b.gather / dp_bw
     return {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+
+
+def _dist_optimizer_exposed(cfg: ModelConfig, lay: Layout, bf16: bool, compute: float, dp_bytes: float,
+                            bw: float) -> float:
+    """Seconds the distributed optimizer's communication shows: the reduce-scatter beyond the last
+    micro-batch's backward it overlaps, the weight gather beyond the first micro-batch's forward of the
+    next step (module docstring)."""
+    params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
+    gather = dist_optimizer_bytes(params, lay.dp, bf16).gather  # dp_bytes - gather: the reduce-scatter
+    forward = compute / 3 / lay.grad_accum  # one micro-batch's forward (a third of its FLOPs)
+    return max(0.0, (dp_bytes - gather) / bw - 2 * forward) + max(0.0, gather / bw - forward)
 
 
 def step_time(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, cluster: Cluster,

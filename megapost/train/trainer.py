@@ -112,9 +112,12 @@ class Trainer:
         return self.logger.memory_report
 
     def close(self) -> None:
-        """The plugins' and the writers' files, closed."""
+        """The plugins' and the writers' files closed, and the engine destroyed: DeepSpeed's gradient
+        hooks and parameter mappings hold its optimizer (fp32 masters, moments, gradient buffers) alive
+        from the model's parameters until then. The module's weights stay readable."""
         self.host.close()
         self.monitor.close()
+        self.engine.destroy()
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

@@ -1,0 +1,50 @@
+"""The planner prices megapost's distributed optimizer (``--use-distributed-optimizer``): one reduce-scatter
+and one weight all-gather per step, the reduce-scatter hidden behind the last micro-batch's backward and
+the gather behind the next step's first forward, except what exceeds them."""
+
+from __future__ import annotations
+
+from megapost.model import ModelConfig
+from megapost.parallel.reduce_bytes import dist_optimizer_bytes
+from megapost.plan.counts import stage_parameters
+from megapost.plan.memory import Layout, Precision
+from megapost.plan.search import candidates, comm_parts
+from megapost.plan.throughput import Cluster, step_parts
+
+CFG = ModelConfig(vocab_size=32000, num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                  num_attention_heads=32, seq_length=4096)
+
+
+def test_bytes_are_one_reduce_scatter_and_one_gather() -> None:
+    # 1000 parameters, DP 4: (3/4) * 4 B fp32 gradients + (3/4) * 2 B bf16 weights
+    b = dist_optimizer_bytes(1000, 4, bf16=True)
+    assert (b.gradients, b.gather, b.total, b.reductions) == (3000.0, 1500.0, 4500.0, 1)
+    assert dist_optimizer_bytes(1000, 4, bf16=True, reduce_in_bf16=True).gradients == 1500.0
+    assert dist_optimizer_bytes(1000, 4, bf16=False).total == 6000.0
+    assert dist_optimizer_bytes(1000, 1, bf16=True).total == 0.0
+
+
+def test_comm_and_exposed_time_of_the_distributed_optimizer() -> None:
+    lay = Layout(1, 1, 64, 1, 1, 8, distributed_optimizer=True)
+    params = stage_parameters(CFG, 1, 1, 0)
+    dp = comm_parts(CFG, lay, 512, bf16=True)["dp"]
+    assert dp == 63 / 64 * 6 * params  # vs ZeRO-1 bf16's 2(63/64)*4P + (63/64)*2P
+    zero1 = comm_parts(CFG, Layout(1, 1, 64, 1, 1, 8), 512, bf16=True)["dp"]
+    assert abs(zero1 / dp - 10 / 6) < 1e-12
+    fast, slow = Cluster(inter_node_gbs=5000.0), Cluster(inter_node_gbs=0.5)
+    assert step_parts(CFG, lay, 512, True, fast, {"tp": 0, "pp": 0, "dp": dp})["dp"] == 0.0
+    parts = step_parts(CFG, lay, 512, True, slow, {"tp": 0, "pp": 0, "dp": dp})
+    # at 0.5 GB/s the reduce-scatter (42 GB) and gather (21 GB) far exceed one micro-batch's compute
+    forward = parts["compute"] / 3 / 8
+    expected = (63 / 64 * 4 * params / 0.5e9 - 2 * forward) + (63 / 64 * 2 * params / 0.5e9 - forward)
+    assert abs(parts["dp"] / expected - 1) < 1e-9
+
+
+def test_candidates_offer_it_only_when_asked() -> None:
+    kw = dict(memory_bytes=80 * 2**30, micro_batches=[1])
+    plain = candidates(CFG, 64, 512, Precision(), **kw)
+    dist = candidates(CFG, 64, 512, Precision(), distributed_optimizer=True, **kw)
+    assert not any(c.layout.distributed_optimizer for c in plain)
+    ours = [c for c in dist if c.layout.distributed_optimizer]
+    assert ours and all(c.layout.zero_stage == 1 and c.layout.dp > 1 for c in ours)
+    assert "DistOpt" in ours[0].layout.label()
