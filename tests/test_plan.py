@@ -178,3 +178,15 @@ def test_cli_tiny_model_step_time_is_never_zero_and_names_its_peak(capsys):
     flops = out["flops_per_token"] * 16 * 128  # tiny-cpu: global batch 16 x seq 128, one GPU at MFU 0.4
     tokens = best["layout"]["micro_batch"] * 128  # saturating MFU, half at 256 tokens; one GPU: no comm
     assert best["step_seconds"] == pytest.approx(flops / (0.2e12 * 0.4 * tokens / (tokens + 256)), rel=1e-6)
+
+
+def test_collapse_risk_needs_no_cluster(capsys):
+    """A collapse-risk question without --gpus: the model and both risk lines, no layout search."""
+    plan_main(["--preset", "paper-180m", "--norm-position", "post", "--lr", "8e-4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"] is None and "recommended" not in out
+    assert out["collapse_risk"]["line"].startswith("collapse risk")
+    assert "lr*" in out["delayed_collapse"]["line"]
+    plan_main(["--preset", "paper-180m", "--lr", "8e-4"])
+    text = capsys.readouterr().out.splitlines()
+    assert text[3] == "layouts: none asked (--gpus N to lay the model out)" and len(text) == 6
