@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from typing import Any
 
 import torch
@@ -33,7 +32,8 @@ from bench_common import build_trainer
 from case_runner import run_cases
 from collective_bytes import CollectiveBytes
 from dp_bytes import dp_reduce_bytes, shape_flags, shape_ns
-from gpu_suite import FULL, TINY, measure
+from gpu_suite import FULL, TINY
+from suite_cases import measure
 from toolchain import compile_toolchain_missing
 
 from megapost.plan.memory import Layout, async_save_host_bytes
@@ -106,34 +106,12 @@ def async_save_touch(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
             "verdict": "ok" if not seen.get("main") and seen.get("device") == rank_device else "CHECK"}
 
 
-def busy_fraction(trainer: Any, device: torch.device, steps: int = 3) -> float | None:
-    """Kernel time / wall time over ``steps`` profiled steps (CUDA only)."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for s in range(steps):
-            trainer.train_step(5000 + s)
-        torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-    cuda = torch.autograd.DeviceType.CUDA
-    kernels = sum(e.device_time_total for e in prof.events() if e.device_type == cuda)
-    return kernels / 1e6 / wall
-
-
 def mfu_busy(shape: tuple, o: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     if compiled and (o.dry_run or compile_toolchain_missing()):
         return {"skipped": "dry run" if o.dry_run else compile_toolchain_missing()}
-    flags = ["--compile"] if compiled else []
-    row = measure("mfu", shape, flags, o)
-    trainer, _, _ = build_trainer(_shape_ns(shape), _flags(shape, flags))
-    for s in range(o.warmup):
-        trainer.train_step(s + 1)
+    row = measure(shape, ["--compile"] if compiled else [], o)
     return {"mfu": row["mfu"], "tokens_per_s": row["tokens_per_s"], "s_per_step": row["s_per_step"],
-            "gpu_busy": busy_fraction(trainer, trainer.device)}
+            "gpu_busy": row["busy_fraction"], "kernels_per_step": row["kernels_per_step"]}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

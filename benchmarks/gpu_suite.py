@@ -1,39 +1,35 @@
-"""Everything the first GPU hour should measure, in one process, into one JSON and a short table.
+"""Everything issue 38's GPU run must show, each case in a fresh process, into one JSON and a table.
 
-    python benchmarks/gpu_suite.py [--out gpu_suite.json] [--steps 20] [--peak-tflops P]
+    python benchmarks/gpu_suite.py [--out gpu_suite.json] [--steps 10] [--budget-s 420] [--peak-tflops P]
     python benchmarks/gpu_suite.py --dry-run     # the same cases on CPU with tiny shapes (CI)
 
-Cases (megapost's real Trainer and DeepSpeed engine, synthetic batches, DP=1, bf16): paper-180m eager
-and ``--compile`` (tokens/s, MFU in Megatron's convention and the causal half, peak memory vs the
-planner), Llama-1.3B-width and 7B-width slices (few layers, seq 4096, GQA 8) with and without
-activation checkpointing, the collapse_metrics overhead at intervals 1 and 10, a host-sync audit of
-non-logging steps (``torch.cuda.set_sync_debug_mode`` on CUDA, ``HostSyncCounter`` everywhere), the
-top kernels of one step (torch.profiler), the same model's bare-PyTorch step on the same device, and
-``--async-save`` (time lost per save / a synchronous save; the background-written shard against the
-weights at the save).
+Cases (megapost's real Trainer and DeepSpeed engine, synthetic batches, DP=1, bf16): paper-180m eager,
+``--compile`` and ``--compile`` with CUDA graphs (``mode="reduce-overhead"`` on each compiled block) at
+the study's micro 4 x 8 and at the planner's recommended micro-batch (same global batch); per case
+per-step times, tokens/s, MFU (Megatron's convention and the causal half), kernels per step and the
+device-busy fraction (torch.profiler; on CPU the aten ops per step), peak memory vs the planner; the
+Hugging Face ``LlamaForCausalLM`` peer at the same shape; Llama-1.3B- and 7B-width slices with and
+without activation checkpointing; the collapse_metrics overhead at intervals 1 and 10; the real command
+(examples/pretrain_postnorm.sh, plugin on at interval 10) against the benchmark at its flags; a
+host-sync audit and the top kernels of one step; ``--async-save``. ``--budget-s`` stops starting cases
+whose estimate would pass it; the finished rows are written after every case.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
-from bench_common import build_trainer
-from case_runner import row_by_case, run_cases
+from case_runner import error_row, in_fresh_process, row_by_case, run_cases, write_json
+from suite_cases import hf_peer, make_trainer, measure, real_command, sync
 from toolchain import compile_toolchain_missing
-from train_step import BareLoop
 
 from megapost.config.presets import LADDER_VOCAB, PRESETS
-from megapost.metrics.host_syncs import HostSyncCounter
-from megapost.metrics.peak_flops import resolve_peak
-from megapost.plan import planned_rank_peak
 
 
 def preset_shape(preset: str, layers: int | None = None, seq: int | None = None, micro: int | None = None,
@@ -53,113 +49,19 @@ TINY = {"paper-180m": (2, 64, 192, 4, None, 64, 2, 2, 512),
         "7b-width": (1, 128, 344, 8, 4, 128, 1, 2, 512)}
 
 
-def _trainer(shape: tuple, flags: list[str], plugins: tuple = ()) -> tuple[Any, Any, argparse.Namespace]:
-    layers, hidden, ffn, heads, groups, seq, micro, accum, vocab = shape
-    b = argparse.Namespace(layers=layers, hidden=hidden, seq=seq, micro=micro, accum=accum, vocab=vocab)
-    extra = ["--bf16", "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads), *flags]
-    if groups:
-        extra += ["--num-query-groups", str(groups)]
-    trainer, cfg, args = build_trainer(b, extra, plugins)
-    return trainer, cfg, args
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_steps(step: Any, device: torch.device, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
-
-
-def measure(name: str, shape: tuple, flags: list[str], o: argparse.Namespace, bare: bool = False,
-            plugins: tuple = (), audited: bool = False) -> dict[str, Any]:
-    """One case: seconds per step, tokens/s, MFU (Megatron / causal), peak memory vs the planner."""
-    trainer, cfg, args = _trainer(shape, flags, plugins)
-    device, n = trainer.device, iter(range(1, 10**9))
-    step = trainer.train_step
-    seconds = _time_steps(lambda: step(next(n)), device, o.warmup, o.steps)
-    tokens = args.global_batch_size * args.seq_length
-    peak = resolve_peak(o.peak_tflops, torch.bfloat16, device)
-    row: dict[str, Any] = {"case": name, "flags": flags, "params_m": cfg.num_parameters() / 1e6,
-                           "s_per_step": seconds, "tokens_per_s": tokens / seconds,
-                           "peak_tflops": peak.tflops, "peak_source": peak.source}
-    tflops = tokens / seconds * cfg.flops_per_token() / 1e12
-    row["tflops"] = tflops
-    row["mfu"] = tflops / peak.tflops if peak.tflops > 0 else None
-    causal = cfg.flops_per_token(causal=True) / cfg.flops_per_token()
-    row["mfu_causal"] = row["mfu"] * causal if row["mfu"] else None
-    if device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    ds_config = trainer.engine.ds._config._param_dict
-    planned = planned_rank_peak(cfg, trainer.config.data, trainer.config.runtime, trainer.pstate, ds_config)
-    row["planned_gb"] = planned / 2**30
-    if bare:
-        loop = BareLoop(cfg, trainer.config.optimizer, "bf16", args.micro_batch_size, args.grad_accum_steps,
-                        device)
-        row["bare_s_per_step"] = _time_steps(loop.step, device, o.warmup, o.steps)
-        row["megapost_over_bare"] = seconds / row["bare_s_per_step"]
-    if audited:
-        row["host_syncs"] = audit(trainer, device)
-        row["top_kernels"] = top_kernels(trainer, device)
-    trainer = step = None  # free the engine before the next case
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
-
-
-def audit(trainer: Any, device: torch.device) -> dict[str, Any]:
-    """Host syncs over two non-logging steps: counted calls, and CUDA's own sync warnings."""
-    with HostSyncCounter() as counter, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for step in (1001, 1002):
-                trainer.train_step(step)
-        finally:
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
-    cuda = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-    return {"counted": counter.total, "sites": dict(counter.sites), "cuda_sync_warnings": len(cuda),
-            "cuda_examples": cuda[:5]}
-
-
-def top_kernels(trainer: Any, device: torch.device, k: int = 8) -> list[dict[str, Any]]:
-    """The ops of one step by their own (self) time: a parent op's inclusive time counts its children
-    again and would list wrappers (``aten::linear``, autograd nodes) above the kernels that run."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        trainer.train_step(2001)
-        _sync(device)
-    self_key, total_key = (("self_device_time_total", "device_time_total") if device.type == "cuda"
-                           else ("self_cpu_time_total", "cpu_time_total"))
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, self_key, 0.0), reverse=True)[:k]
-    return [{"name": e.key[:80], "self_ms": getattr(e, self_key, 0.0) / 1e3,
-             "total_ms": getattr(e, total_key, 0.0) / 1e3, "calls": e.count} for e in rows]
-
-
-def overhead(interval: int, shape: tuple, o: argparse.Namespace, base: float | None) -> dict[str, Any]:
-    """collapse_metrics at ``interval``; its overhead over the eager row (``base`` s/step, if it ran)."""
-    from megapost.plugin_api import plugin_classes
+def overhead(interval: int, shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
+    """collapse_metrics at ``interval`` (its overhead over the eager row is added by the parent)."""
+    from collapse_metrics.plugin import CollapseMetricsPlugin
 
     flags = ["--plugins", "collapse_metrics", "--collapse-interval", str(interval)]
-    row = measure(f"collapse_metrics interval {interval}", shape, flags, o,
-                  plugins=tuple(plugin_classes("collapse_metrics")))
-    row["overhead"] = row["s_per_step"] / base - 1.0 if base else None
-    return row
+    return measure(shape, flags, o, plugins=(CollapseMetricsPlugin,))
+
+
+def _mean_s(trainer: Any, step: Any, o: argparse.Namespace, warmup: int | None = None) -> float:
+    from suite_cases import step_times
+
+    times = step_times(step, trainer.device, o.warmup if warmup is None else warmup, o.steps)
+    return sum(times) / len(times)
 
 
 def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) -> dict[str, Any]:
@@ -172,11 +74,11 @@ def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) 
     device, cfg = trainer.device, trainer.engine.module.config
     params = lf.local_parameters(trainer.engine.module, cfg.num_layers, False)
     at_save = {k: p.detach().clone() for k, p in params.items()}
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     trainer.save()
     blocked = time.perf_counter() - t0
-    over = (_time_steps(step, device, 0, o.steps) - base) * o.steps
+    over = (_mean_s(trainer, step, o, 0) - base) * o.steps
     t1 = time.perf_counter()
     trainer.checkpoints.wait()
     tag = os.path.join(trainer.config.checkpoint.save, f"iter_{trainer.state.iteration:07d}")
@@ -203,12 +105,11 @@ def async_save(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
     for mode in ("sync", "async"):
         with tempfile.TemporaryDirectory(prefix="gpu-suite-save-") as d:
             flags = ["--save", d, "--save-interval", "0", *(["--async-save"] if mode == "async" else [])]
-            trainer, _, _ = _trainer(shape, flags)
+            trainer, _, _ = make_trainer(shape, flags)
             step = functools.partial(_next_step, trainer, iter(range(1, 10**9)))
-            base = _time_steps(step, trainer.device, o.warmup, o.steps)
+            base = _mean_s(trainer, step, o)
             out[mode] = _save_and_step(trainer, step, o, base)
-            trainer = step = None
-            gc.collect()
+            trainer.close()
     sync_wall = out["sync"]["blocked_s"]
     out["lost_over_sync_wall"] = (out["async"]["blocked_s"] + out["async"]["overlapped_extra_s"]) / sync_wall
     return out
@@ -216,10 +117,14 @@ def async_save(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
 
 def _extra(r: dict[str, Any]) -> str:
     extra = []
-    if "megapost_over_bare" in r:
-        extra.append(f"megapost/bare {r['megapost_over_bare']:.3f}")
+    if r.get("kernels_per_step") is not None:
+        extra.append(f"kernels/step {r['kernels_per_step']}, busy {100 * r['busy_fraction']:.0f}%")
+    elif r.get("ops_per_step") is not None:
+        extra.append(f"aten ops/step {r['ops_per_step']} (busy: GPU only)")
     if r.get("overhead") is not None:
         extra.append(f"overhead {100 * r['overhead']:+.1f}%")
+    if r.get("real_over_bench") is not None:
+        extra.append(f"real/bench tokens/s {r['real_over_bench']:.3f}")
     if "host_syncs" in r:
         extra.append(f"host syncs {r['host_syncs']['counted']} (cuda warnings "
                      f"{r['host_syncs']['cuda_sync_warnings']})")
@@ -233,74 +138,167 @@ def _save_line(r: dict[str, Any]) -> str:
             f"snapshot exact: {asy['snapshot_exact']}")
 
 
+def _num(r: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
+    return format(r[key] * scale, fmt) if r.get(key) is not None else "n/a"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    out = [f"{'case':34s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'causal':>6s} {'mem GB':>7s} "
+    out = [f"{'case':36s} {'s/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'causal':>6s} {'mem GB':>7s} "
            f"{'plan GB':>7s} extra"]
     for r in rows:
         if "error" in r or "skipped" in r:
             why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
-            out.append(f"{r['case']:34s} {why}")
-            continue
-        if "lost_over_sync_wall" in r:
-            out.append(f"{r['case']:34s} {_save_line(r)}")
-            continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-        causal = f"{100 * r['mfu_causal']:.1f}%" if r.get("mfu_causal") else "n/a"
-        mem = f"{r['peak_mem_gb']:.2f}" if "peak_mem_gb" in r else "n/a"
-        out.append(f"{r['case']:34s} {r['s_per_step']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6s} {causal:>6s} "
-                   f"{mem:>7s} {r['planned_gb']:7.2f} {_extra(r)}")
+            out.append(f"{r['case']:36s} {why}")
+        elif "lost_over_sync_wall" in r:
+            out.append(f"{r['case']:36s} {_save_line(r)}")
+        else:
+            out.append(f"{r['case']:36s} {_num(r, 's_per_step', '8.3f')} {_num(r, 'tokens_per_s', '10.0f')} "
+                       f"{_num(r, 'mfu', '5.1f', 100):>6s} "
+                       f"{_num(r, 'mfu_causal', '5.1f', 100):>6s} "
+                       f"{_num(r, 'peak_mem_gb', '7.2f'):>7s} {_num(r, 'planned_gb', '7.2f'):>7s} "
+                       f"{_extra(r)}")
     return "\n".join(out)
 
 
-def cases(o: argparse.Namespace) -> list[tuple[str, Any]]:
-    """The suite's cases in order, each a thunk (run_cases runs them one at a time)."""
-    shapes = TINY if o.dry_run else FULL
-    eager = "paper-180m eager"
+def planned_micro(shape: tuple, memory_gb: float) -> int:
+    """The planner's recommended micro-batch for ``shape`` on one GPU at the same global batch."""
+    from megapost.plan.__main__ import parse, plan
 
-    def compiled(_rows: list) -> dict[str, Any]:
-        if o.dry_run:
-            return {"skipped": "dry run (compiling takes minutes on CPU)"}
-        missing = compile_toolchain_missing()
-        if missing:
-            print(f"note: {missing}", flush=True)
-            return {"skipped": missing}
-        return measure("paper-180m --compile", shapes["paper-180m"], ["--compile"], o)
+    layers, hidden, ffn, heads, groups, seq, micro, accum, vocab = shape
+    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(ffn),
+            "--num-attention-heads", str(heads), "--seq-length", str(seq), "--vocab-size", str(vocab),
+            "--global-batch-size", str(micro * accum), "--gpus", "1", "--gpu-memory-gb", str(memory_gb)]
+    best = plan(parse(argv))["recommended"]
+    return best["layout"]["micro_batch"] if best else micro
 
-    out = [(eager, lambda _rows: measure(eager, shapes["paper-180m"], [], o, bare=True, audited=True)),
-           ("paper-180m --compile", compiled)]
+
+def graphed(shape: tuple, flags: list[str], o: argparse.Namespace) -> dict[str, Any]:
+    """--compile with CUDA graphs: each compiled block with ``mode="reduce-overhead"`` (this process
+    only: the case runs in its own interpreter)."""
+    from megapost.parallel import compile as regional
+
+    regional.torch.compile = functools.partial(torch.compile, mode="reduce-overhead")
+    return measure(shape, flags, o)
+
+
+def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
+    """(name, estimated seconds on one H200, fn() -> row, or why it is skipped here), in the order of
+    what issue 38 must show."""
+    paper = (TINY if o.dry_run else FULL)["paper-180m"]
+    rec = o.recommended_micro or paper[6]
+    at_rec = (*paper[:6], rec, paper[6] * paper[7] // rec, paper[8])
+    no_compile = "dry run (compiling takes minutes on CPU)" if o.dry_run else compile_toolchain_missing()
+    no_graphs = no_compile or (None if torch.cuda.is_available() else "CUDA graphs need CUDA")
+    out: list[tuple[str, float, Any]] = []
+    splits = {f"{paper[6]}x{paper[7]}": paper, f"{rec}x{at_rec[7]}": at_rec}  # one entry when they agree
+    for micro, shape in splits.items():
+        out.append((f"paper-180m eager {micro}", 50,
+                    lambda shape=shape, a=not out: measure(shape, [], o, audited=a)))
+        out.append((f"paper-180m --compile {micro}", 90, no_compile or (
+            lambda shape=shape: measure(shape, ["--compile"], o))))
+        out.append((f"paper-180m graphs {micro}", 100, no_graphs or (
+            lambda shape=shape: graphed(shape, ["--compile"], o))))
+    for interval in (1, 10):
+        out.append((f"collapse_metrics interval {interval}", 45, lambda i=interval: overhead(i, paper, o)))
+    layers, hidden, ffn, heads, _, seq, micro, accum, _ = paper
+    model = (["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(ffn),
+              "--num-attention-heads", str(heads), "--seq-length", str(seq)] if o.dry_run
+             else ["--preset", "paper-180m"])
+    real = [*model, "--micro-batch-size", str(micro), "--global-batch-size", str(micro * accum), "--bf16",
+            "--train-iters", str(o.warmup + 3 * o.steps), "--log-interval", str(o.steps),
+            "--eval-interval", "0",
+            "--plugins", "collapse_metrics", "--collapse-interval", "10", "--run-name", "gpu-suite-real"]
+    out.append(("real command (plugin interval 10)", 150, lambda: real_command(real, o, o.case_timeout)))
+    out.append(("hf LlamaForCausalLM (peer)", 60, lambda: hf_peer(paper, o)))
     for width in ("1.3b-width", "7b-width"):
         for ckpt in ([], ["--checkpoint-activations"]):
-            name = f"{width}{' ckpt' if ckpt else ''}"
-            out.append((name, lambda _rows, n=name, w=shapes[width], c=ckpt: measure(n, w, c, o)))
-    for interval in (1, 10):
-        out.append((f"collapse_metrics interval {interval}",
-                    lambda rows, i=interval: overhead(i, shapes["paper-180m"], o,
-                                                      (row_by_case(rows, eager) or {}).get("s_per_step"))))
-    out.append(("async save (paper-180m shape)", lambda _rows: async_save(shapes["paper-180m"], o)))
+            shape = (TINY if o.dry_run else FULL)[width]
+            out.append((f"{width}{' ckpt' if ckpt else ''}", 20, lambda w=shape, c=ckpt: measure(w, c, o)))
+    out.append(("async save (paper-180m shape)", 60, lambda: async_save(paper, o)))
     return out
+
+
+def derive(rows: list[dict[str, Any]]) -> None:
+    """Figures across rows: the plugin's overhead over eager 4 x 8, the real command over the benchmark."""
+    eager = next((r for r in rows if r["case"].startswith("paper-180m eager") and "s_per_step" in r), None)
+    bench = row_by_case(rows, "collapse_metrics interval 10")
+    for r in rows:
+        if r["case"].startswith("collapse_metrics") and eager and "s_per_step" in r:
+            r["overhead"] = r["s_per_step"] / eager["s_per_step"] - 1.0
+        if r["case"].startswith("real command") and bench and "tokens_per_s" in r:
+            r["real_over_bench"] = r["tokens_per_s"] / bench["tokens_per_s"]
+
+
+CHILD = ("steps", "warmup", "peak_tflops", "recommended_micro")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, 1 timed step (CI)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, 2 timed steps (CI)")
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no case whose estimate passes it (default 420; dry run 3600)")
     p.add_argument("--out", default="gpu_suite.json")
     p.add_argument("--resume", action="store_true", help="keep the rows of a --out a died run left")
     p.add_argument("--inject-failure", metavar="CASE", help="make CASE raise (shows the suite goes on)")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this one case
+    p.add_argument("--row-out", help=argparse.SUPPRESS)
+    p.add_argument("--recommended-micro", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--case-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     o = p.parse_args()
     if o.dry_run:
-        o.steps, o.warmup, o.peak_tflops = 1, 1, o.peak_tflops or 1.0
+        o.steps, o.warmup, o.peak_tflops = 2, 1, o.peak_tflops or 1.0
+    o.budget_s = o.budget_s or (3600.0 if o.dry_run else 420.0)
+    if o.case:
+        return child(o)
+    begun = time.perf_counter()
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 141.0
+    o.recommended_micro = planned_micro((TINY if o.dry_run else FULL)["paper-180m"], memory)
     todo = cases(o)
+    estimate = {name: (1.0 if o.dry_run else est) for name, est, _ in todo}
     meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "dry_run": o.dry_run, "shapes": FULL}
-    result = run_cases(todo, o.out, meta, resume=o.resume, fail=o.inject_failure)
+            "dry_run": o.dry_run, "shapes": FULL, "recommended_micro": o.recommended_micro,
+            "budget_s": o.budget_s}
+    base = [sys.executable, os.path.abspath(__file__), *(["--dry-run"] if o.dry_run else []),
+            *(f"--{k.replace('_', '-')}={getattr(o, k)}" for k in CHILD)]
+
+    def spawn(name: str, fn: Any) -> Any:
+        def run(_rows: list) -> dict[str, Any]:
+            if isinstance(fn, str):  # skipped here (no compiler, no CUDA): no process started
+                return {"skipped": fn}
+            left = o.budget_s - (time.perf_counter() - begun)
+            return in_fresh_process([*base, "--case", name, f"--case-timeout={left:.0f}"], left)
+        return run
+
+    result = run_cases([(name, spawn(name, fn)) for name, _, fn in todo], o.out, meta, resume=o.resume,
+                       fail=o.inject_failure, budget_s=o.budget_s, estimate=estimate.__getitem__)
+    derive(result["rows"])
+    result["suite_wall_s"] = time.perf_counter() - begun
+    write_json(o.out, result)
     print(table(result["rows"]))
-    print(f"wrote {o.out}")
+    print(f"wrote {o.out}; the suite took {result['suite_wall_s']:.0f} s (budget {o.budget_s:.0f} s)")
     failed = [r["case"] for r in result["rows"] if "error" in r]
     if failed:
         print(f"{len(failed)} case(s) failed: {', '.join(failed)} (their rows hold the error)")
+
+
+def child(o: argparse.Namespace) -> None:
+    """One case in this interpreter; its row (or its error) into ``--row-out``."""
+    import json
+    import tempfile
+
+    fn = next(fn for name, _, fn in cases(o) if name == o.case)
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-case-") as work:
+        o.workdir = work
+        try:
+            row = fn()
+        except Exception as e:  # noqa: BLE001  the parent records the error as the case's row
+            row = error_row(e)
+    with open(o.row_out, "w") as f:
+        json.dump(row, f, default=str)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 #   E1 horizon: 64 x 4, 256 tokens/step, warmup 500, constant lr, 2,000 steps at peak, 4 lrs x 4 seeds
 #   E2 batch:   64 x 4, warmup 500, 1,000 steps at peak, 256 / 1,024 / 4,096 tokens/step, 3 lrs x 2 seeds
 #   E3 depth:   128 x {8, 16, 32}, warmup 1,000, 700 steps at peak, 3 lrs x 2 seeds
+#   E2hi:       E2 at 1,024 tokens/step with lrs 0.035, 0.05 (part e2's lrs all survived there)
+# What ran on 2 shared cores on 2026-12-04 (docs/study_results.md): E1 whole; E3 x8 whole, x16 in part,
+# x32 cut; E2 at 1,024 tokens/step whole, E2hi; E2 at 4,096 cut (its lrs cannot reach an event there).
 #
 #   OUT=/work/study_runs DATA=/work/study_data PARTS=e1,e3,e2 bash examples/law_experiments.sh
 set -euo pipefail
@@ -51,6 +54,10 @@ part_e3() {  # deepest last: 128 x 32 is the costliest cell
     --lrs 0.0025,0.004,0.007 --seeds 1,2
   sweep e3_depth/L32 --hidden 128 --depths 32 --seq-length 32 --batch 8 --warmups 1000 --iters 1700 \
     --lrs 0.0015,0.0025,0.004 --seeds 1,2
+}
+part_e2hi() {  # added after E2 at 1,024 tokens/step survived every lr of part_e2: lrs that reach its events
+  sweep e2_batch/t1024_hi --hidden 64 --depths 4 --seq-length 32 --batch 32 --warmups 500 --iters 1500 \
+    --lrs 0.035,0.05 --seeds 1,2
 }
 part_e2() {
   for b in 8 32 128; do

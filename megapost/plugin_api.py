@@ -169,6 +169,7 @@ class Plugin:
     (0 = a measurement at initialisation before any update)."""
 
     name = "plugin"
+    loss_on_device = False  # True: on_step_end gets the loss as a 0-dim device tensor (no host read)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -193,8 +194,9 @@ class Plugin:
         """Gradients are reduced across data-parallel ranks, the optimizer has not stepped yet (read them
         with ``self.ctx.owned_grad``)."""
 
-    def on_step_end(self, step: int, loss: float) -> None:
-        """A wanted step finished (detach listeners, reduce across shards, write logs)."""
+    def on_step_end(self, step: int, loss: Any) -> None:
+        """A wanted step finished (detach listeners, reduce across shards, write logs); ``loss`` is a
+        float, or a device tensor for a plugin with ``loss_on_device``."""
 
     def after_iteration(self, iteration: int) -> None:
         """Every optimizer step, after logging/eval/save; ``self.ctx.snapshot()`` / ``self.ctx.restore(s)``

@@ -19,22 +19,24 @@ from megapost.runtime.launcher_report import record_for_launcher
 from megapost.runtime.slurm import adopt_slurm_env
 from megapost.train.build import build
 from megapost.train.prepare import prepare
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
-def run(argv: Sequence[str]) -> dict[str, Any]:
+def run(argv: Sequence[str], faults: FaultInjector = NO_FAULTS) -> dict[str, Any]:
     """Parse, validate, build and train; returns the loss history (used by tests). With
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
     log line shows the measured peak beside the planner's prediction (slower; for CPU checks). A bare
-    ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py)."""
+    ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py). ``faults``:
+    a test harness's (tests/fault_pretrain.py), none in production."""
     note = adopt_slurm_env()
     if note and os.environ["RANK"] == "0":
         print(f"note: {note}", flush=True)
     with tensor_memory_from_env() as tracker, process_group_scope():
-        return _run(argv, tracker)
+        return _run(argv, tracker, faults)
 
 
-def _run(argv: Sequence[str], tracker: LiveTensorMemory | None) -> dict[str, Any]:
-    trainer = build(prepare(argv), tracker=tracker)  # parse + validate, then resolve + build
+def _run(argv: Sequence[str], tracker: LiveTensorMemory | None, faults: FaultInjector) -> dict[str, Any]:
+    trainer = build(prepare(argv), tracker=tracker, faults=faults)  # parse + validate, then resolve + build
     try:
         return trainer.train()
     finally:
@@ -54,9 +56,9 @@ def exit_once(message: str) -> None:
     raise SystemExit(message)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, faults: FaultInjector = NO_FAULTS) -> None:
     try:
-        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv))
+        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv, faults))
     except ConfigError as e:  # bad flags or checkpoint files: one line, exit 1
         exit_once(str(e.code))
     except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite state, a

@@ -86,7 +86,8 @@ def no_process_group_left_behind():
     assert os.environ.get("RANK") == rank, "this test left RANK set in the environment"
 
 
-LAUNCHES = ("megapost.pretrain", "deepspeed", "torchrun", "srun", "examples/", "tools/", "benchmarks/")
+LAUNCHES = ("megapost.pretrain", "fault_pretrain", "deepspeed", "torchrun", "srun", "examples/", "tools/",
+            "benchmarks/")
 
 
 @pytest.fixture(autouse=True)

@@ -49,12 +49,18 @@ def run(cmd: Sequence[str], timeout: float = 600, check: bool = True,
     return proc
 
 
-def pretrain(flags: Sequence[str], nprocs: int = 1, **kw) -> subprocess.CompletedProcess:
-    """``python -m megapost.pretrain`` for one rank, DeepSpeed's launcher for more."""
+FAULT_PRETRAIN = "tests/fault_pretrain.py"  # megapost.pretrain with a harness's FaultInjector
+
+
+def pretrain(flags: Sequence[str], nprocs: int = 1, fail_rank: str | None = None,
+             **kw) -> subprocess.CompletedProcess:
+    """``python -m megapost.pretrain`` for one rank, DeepSpeed's launcher for more; ``fail_rank``
+    ("RANK:ITERATION"): that rank raises before that iteration (tests/fault_pretrain.py)."""
+    fault = [] if fail_rank is None else [FAULT_PRETRAIN, "--fail-rank", fail_rank]
     if nprocs == 1:
-        return run([sys.executable, "-m", "megapost.pretrain", *flags], **kw)
+        return run([sys.executable, *(fault or ["-m", "megapost.pretrain"]), *flags], **kw)
     return run(["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-                "--module", "megapost.pretrain", *flags], **kw)
+                *(fault or ["--module", "megapost.pretrain"]), *flags], **kw)
 
 
 def read_scalars(tb_dir: str | Path, tag: str) -> dict[int, float]:

@@ -100,3 +100,34 @@ def test_state_fragments_out_and_in(trainer) -> None:
     _, _, again = engine.owned_state(p, ("exp_avg",))
     assert torch.equal(again["exp_avg"], moment) and torch.equal(again[MASTER], moment + 1)
     assert torch.equal(p.detach().reshape(-1), moment + 1)
+
+
+def _optimizer_tensors(engine: Any) -> list[torch.Tensor]:
+    state = engine.state_dict()["optimizer"]["state"]
+    return [v.clone() for k in sorted(state) for v in state[k].values() if isinstance(v, torch.Tensor)]
+
+
+def test_the_plugins_rollback_restores_the_real_state(trainer) -> None:
+    """PluginContext.snapshot / restore (what the guard uses) over the real trainer: right after a restore
+    the weights, Adam's state, the lr and the data position are the snapshot's, and the step after it
+    is the same step, bit for bit."""
+    services, engine, st = trainer.host.binding, trainer.engine, trainer.state
+    batch = trainer.config.data.global_batch_size
+
+    def step() -> torch.Tensor:
+        loss = trainer.train_step(st.iteration + 1)
+        st.iteration, st.consumed_samples = st.iteration + 1, st.consumed_samples + batch
+        return loss
+
+    step()
+    snap = services.snapshot()
+    weights, moments, lr = _weights(engine.module), _optimizer_tensors(engine), float(engine.lr())
+    first = (step(), _weights(engine.module))
+    step()
+    services.restore(snap, False)
+    assert (st.iteration, st.consumed_samples) == (1, batch) and float(engine.lr()) == lr
+    assert all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(moments, _optimizer_tensors(engine), strict=True))
+    again = (step(), _weights(engine.module))
+    assert torch.equal(first[0], again[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], again[1], strict=True))

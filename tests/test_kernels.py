@@ -208,6 +208,7 @@ def _tp_attention_check(groups: int) -> float:
     return _rel(got, want)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("groups", [4, 1])
 @pytest.mark.integration
 def test_packed_qkv_under_tensor_parallelism_matches_the_full_block(groups: int) -> None:
@@ -235,3 +236,10 @@ def test_checkpointing_walks_only_its_segment(monkeypatch: pytest.MonkeyPatch) -
     for _ in range(2):
         model(tokens).sum().backward()
     assert visited[0] <= cfg.num_layers * per_block, visited  # each segment walked once, in step 1 only
+
+
+def test_op_counter_separates_kernels_from_views() -> None:
+    x = torch.ones(4, 6)
+    ops = count_ops(lambda: (x.view(24).t() + 1).detach().sum())
+    assert dict(ops.by_name) == {"aten.add": 1, "aten.sum": 1}
+    assert ops.metadata["aten.view"] == 1 and ops.metadata["aten.detach"] == 1

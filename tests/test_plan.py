@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 
 from megapost.model import LlamaModel, ModelConfig, TransformerBlock
+from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.model.placements import PLACEMENTS
 from megapost.plan.__main__ import main as plan_main
 from megapost.plan.counts import parameter_counts, stage_layers, stage_parameters
@@ -47,9 +49,17 @@ def test_stage_layers_match_deepspeed_partition():
     assert sum(stage_layers(7, 4)) == 7
 
 
-def _saved_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 3) -> int:
-    """Bytes of every storage autograd keeps for one block's backward (weights aside), counted once."""
+def _saved_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 3, fusion: str = "auto") -> int:
+    """Bytes of every storage autograd keeps for one block's backward (weights aside), counted once. The
+    weights are views of one flat buffer, as DeepSpeed's flat parameter groups hold them (so the packed
+    GEMMs stack them without a copy)."""
     block = TransformerBlock(cfg, 1).to(dtype)
+    set_kernel_fusion(block, parse_fusion(fusion))
+    params = list(block.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offsets = [0, *itertools.accumulate(p.numel() for p in params)]
+    for p, start, end in zip(params, offsets, offsets[1:], strict=False):
+        p.data = flat[start:end].view_as(p)
     weights = {p.untyped_storage()._cdata for p in block.parameters()}
     saved: dict[int, int] = {}
 
@@ -71,7 +81,8 @@ def test_block_activation_bytes_equal_what_autograd_saves(dtype, norm, qk_norm):
     """Every placement's norms (Peri-LN's output norms, HybridNorm's Q/K/V norms, DyT) and --qk-norm."""
     cfg = ModelConfig(**{**SMALL, "seq_length": 64}, norm_position=norm, qk_norm=qk_norm)
     e = 2 if dtype == torch.bfloat16 else 4
-    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e, packed=True)
+    assert _saved_bytes(cfg, dtype, fusion="none") == layer_activation_bytes(cfg, 3, 1, False, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,7 +91,8 @@ def test_gqa_counts_and_activations(dtype):
     model_count = sum(p.numel() for p in LlamaModel(cfg).parameters())
     assert parameter_counts(cfg).total == cfg.num_parameters() == model_count
     e = 2 if dtype == torch.bfloat16 else 4
-    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e)
+    assert _saved_bytes(cfg, dtype) == layer_activation_bytes(cfg, 3, 1, False, e, packed=True)
+    assert _saved_bytes(cfg, dtype, fusion="none") == layer_activation_bytes(cfg, 3, 1, False, e)
 
 
 @pytest.mark.parametrize("params", [10**6, 6_738_415_616, 123_456_789])
@@ -166,3 +178,15 @@ def test_cli_tiny_model_step_time_is_never_zero_and_names_its_peak(capsys):
     flops = out["flops_per_token"] * 16 * 128  # tiny-cpu: global batch 16 x seq 128, one GPU at MFU 0.4
     tokens = best["layout"]["micro_batch"] * 128  # saturating MFU, half at 256 tokens; one GPU: no comm
     assert best["step_seconds"] == pytest.approx(flops / (0.2e12 * 0.4 * tokens / (tokens + 256)), rel=1e-6)
+
+
+def test_collapse_risk_needs_no_cluster(capsys):
+    """A collapse-risk question without --gpus: the model and both risk lines, no layout search."""
+    plan_main(["--preset", "paper-180m", "--norm-position", "post", "--lr", "8e-4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"] is None and "recommended" not in out
+    assert out["collapse_risk"]["line"].startswith("collapse risk")
+    assert "lr*" in out["delayed_collapse"]["line"]
+    plan_main(["--preset", "paper-180m", "--lr", "8e-4"])
+    text = capsys.readouterr().out.splitlines()
+    assert text[3] == "layouts: none asked (--gpus N to lay the model out)" and len(text) == 6

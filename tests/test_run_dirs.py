@@ -51,7 +51,7 @@ def test_resume_continues_tensorboard_and_jsonl_without_repeats(tiny_data, tmp_p
     the logs hold each step once, increasing (today's failure: steps 5 repeated)."""
     flags = tiny_model_flags(tiny_data, **{"--runs-dir": tmp_path, "--run-name": "r", "--save-interval": 4,
                                            "--plugins": "collapse_metrics", "--collapse-interval": 1})
-    first = pretrain(flags + ["--train-iters", "8"], check=False, MEGAPOST_FAIL_RANK="0:6")
+    first = pretrain(flags + ["--train-iters", "8"], check=False, fail_rank="0:6")
     assert first.returncode != 0 and "fails at iteration 6 on purpose" in first.stderr
     run = tmp_path / "r"
     assert raw_steps(run / "tensorboard", "train/lm_loss") == [1, 2, 3, 4, 5]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from dist_utils import free_port
-from launch_utils import REPO, child_env, pretrain, read_scalars, run, tiny_model_flags
+from launch_utils import FAULT_PRETRAIN, REPO, child_env, pretrain, read_scalars, run, tiny_model_flags
 
 EXAMPLE = "examples/pretrain_postnorm.sh"
 ITERS = 4
@@ -189,10 +189,10 @@ def _failing_flags(data, **overrides) -> list[str]:
 
 @pytest.mark.integration
 def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
-    """MEGAPOST_FAIL_RANK=1:3 (training.py): rank 1 raises before iteration 3; rank 0, blocked in a
+    """--fail-rank 1:3 (tests/fault_pretrain.py): rank 1 raises before iteration 3; rank 0, blocked in a
     tensor-parallel collective with it, must not outlive it for long."""
-    job = Job(_deepspeed(2, ["--module", "megapost.pretrain", *_failing_flags(tiny_data)]), tmp_path / "log",
-              MEGAPOST_FAIL_RANK="1:3")
+    job = Job(_deepspeed(2, [FAULT_PRETRAIN, "--fail-rank", "1:3", *_failing_flags(tiny_data)]),
+              tmp_path / "log")
     failed = _wait([job], 240, until="rank 1 fails at iteration 3 on purpose")
     ended = _wait([job], 90)
     text = job.text()
@@ -218,8 +218,7 @@ def test_killed_rank_ends_the_job(tiny_data, tmp_path) -> None:
 @pytest.mark.slow
 def test_failure_on_one_node_ends_the_other(tiny_data, tmp_path) -> None:
     """No launcher spans both nodes: node 0's ranks must notice that rank 3 (node 1) died by themselves."""
-    jobs = _two_nodes(tmp_path, ["--module", "megapost.pretrain", *_failing_flags(tiny_data)],
-                      MEGAPOST_FAIL_RANK="3:3")
+    jobs = _two_nodes(tmp_path, [FAULT_PRETRAIN, "--fail-rank", "3:3", *_failing_flags(tiny_data)])
     failed = _wait(jobs, 300, until="rank 3 fails at iteration 3 on purpose")
     ended = _wait(jobs, 120)
     assert [job.proc.returncode != 0 for job in jobs] == [True, True]

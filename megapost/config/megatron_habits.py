@@ -54,8 +54,11 @@ def add_habit_arguments(g: argparse._ArgumentGroup, parser: argparse.ArgumentPar
         g.add_argument("--" + dest.replace("_", "-"), dest=dest, help="refused: " + REFUSED[dest])
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    help="accepted: attention is torch SDPA, which picks its kernel (flash/efficient/math)")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="Python's automatic gc off; collect at start and every --manual-gc-interval steps")
+    g.add_argument("--manual-gc", action="store_true", default=None,
+                   help="Python's automatic gc off; collect at start and every --manual-gc-interval steps "
+                   f"(default on a CUDA device, every {GPU_GC_INTERVAL} iterations)")
+    g.add_argument("--no-manual-gc", dest="manual_gc", action="store_false",
+                   help="keep Python's automatic gc (also on a CUDA device)")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="0: only at start (as Megatron's)")
     g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="accepted (megapost does not collect around validation)")
@@ -73,6 +76,18 @@ def add_habit_arguments(g: argparse._ArgumentGroup, parser: argparse.ArgumentPar
         parser.set_defaults(grad_reduce_noted=True)
 
 
+GPU_GC_INTERVAL = 200
+
+
+def _cuda() -> bool:
+    """Whether this run trains on CUDA (a CUDA device and DeepSpeed's accelerator not set to another)."""
+    import os
+
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
+
+
 def apply_habits(args: argparse.Namespace) -> list[str]:
     """Refuse what megapost lacks; return the start-up notes of the rest."""
     for dest, why in REFUSED.items():
@@ -83,9 +98,18 @@ def apply_habits(args: argparse.Namespace) -> list[str]:
     if args.attention_backend:
         notes.append(f"--attention-backend {args.attention_backend} (attention is torch SDPA, which picks "
                      "its own kernel)")
-    if args.manual_gc:
-        if args.manual_gc_interval < 0:
-            raise ConfigError(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
+    if args.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
+    if args.manual_gc is None:  # a CUDA run: every rank pauses for gc at the same step, not at random
+        args.manual_gc = _cuda()
+        if args.manual_gc:
+            if "manual_gc_interval" not in args.explicit:
+                args.manual_gc_interval = GPU_GC_INTERVAL
+            notes.append(f"Python's gc managed on the GPU (as --manual-gc --manual-gc-interval "
+                         f"{args.manual_gc_interval}; --no-manual-gc keeps the automatic gc)")
+    elif args.manual_gc is False:
+        notes.append("--no-manual-gc (Python's automatic gc kept, also on a CUDA device)")
+    elif args.manual_gc:
         every = f"every {args.manual_gc_interval} iterations" if args.manual_gc_interval else "never again"
         notes.append(f"--manual-gc (automatic gc off; collected at start, then {every})")
     if "tensorboard_queue_size" in args.explicit:

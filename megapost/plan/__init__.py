@@ -18,7 +18,8 @@ __all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_co
 
 def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
                              norm_kernel: str = "fused",
-                             loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> Precision:
+                             loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+                             packed: bool = True) -> Precision:
     """The settings of a (generated) DeepSpeed config that change memory."""
     zero = ds_config.get("zero_optimization", {})
     return Precision(
@@ -27,6 +28,7 @@ def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
         overlap_comm=bool(zero.get("overlap_comm", False)),
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
         fused_adam=fused_adam, norm_kernel=norm_kernel, loss_block_elements=loss_block_elements,
+        packed=packed,
     )
 
 
@@ -41,5 +43,6 @@ def planned_rank_peak(cfg: ModelConfig, data: DataConfig, runtime: RuntimeConfig
 
     kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"
     block = BLOCK_ELEMENTS.get("cuda" if cuda else "cpu", DEFAULT_BLOCK_ELEMENTS)
-    prec = precision_from_ds_config(ds_config, norm_kernel=kernel, loss_block_elements=block)
+    packed = runtime.kernel_fusion == "auto"  # an explicit --kernel-fusion list: priced unpacked
+    prec = precision_from_ds_config(ds_config, norm_kernel=kernel, loss_block_elements=block, packed=packed)
     return stage_memory(cfg, layout, prec, pstate.pp_rank).peak

@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog, p.description = "python -m megapost.plan", __doc__
     g = p.add_argument_group("cluster")
-    g.add_argument("--gpus", type=int, required=True)
+    g.add_argument("--gpus", type=int, default=None,
+                   help="GPUs to lay out (without it: the model's counts and the collapse-risk lines only)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
     g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU, GiB")
     g.add_argument("--memory-margin", type=float, default=0.10,
@@ -75,7 +76,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     resolve_norm_position(args, argv)  # the trainer's default: Pre-Norm for Megatron model flags
     if apply_distributed_optimizer(args):  # the trainer's ZeRO stage for it: a layout constraint
         args.explicit.add("zero_stage")
-    if args.gpus < 1 or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
+    if (args.gpus is not None and args.gpus < 1) or args.gpu_memory_gb <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("--gpus must be >= 1, --gpu-memory-gb > 0 and --mfu in (0, 1]")
     if args.mfu_half_tokens < 0 or args.intra_node_gbs <= 0 or args.inter_node_gbs <= 0:
         raise ConfigError("--mfu-half-tokens must be >= 0 and --intra-node-gbs, --inter-node-gbs > 0")
@@ -132,8 +133,24 @@ def _allowed(layout: object, args: argparse.Namespace) -> bool:
     return True
 
 
+def _model_and_risk(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, object]:
+    """What the planner says without a cluster: the model's counts and both collapse-risk lines."""
+    return {
+        "model": {"preset": args.preset, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                  "ffn_hidden_size": cfg.ffn_hidden_size, "heads": cfg.num_attention_heads,
+                  "vocab_padded": cfg.vocab_size, "seq_length": cfg.seq_length},
+        "parameters": parameter_counts(cfg).as_dict(),
+        "flops_per_token": cfg.flops_per_token(),
+        "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
+                                       run_factors(args, cfg), args.lr),
+        "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
+    }
+
+
 def plan(args: argparse.Namespace) -> dict[str, object]:
     cfg = model_config(args)
+    if args.gpus is None:
+        return {**_model_and_risk(args, cfg), "cluster": None}
     prec = precision_from_ds_config({**_user_ds_config(args), "bf16": {"enabled": not args.fp32}},
                                     norm_kernel=args.norm_kernel)
     peak = args.peak_tflops or DEFAULT_PEAK_TFLOPS
@@ -154,11 +171,7 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         return _row(c, cfg.flops_per_token(), peak)
 
     return {
-        "model": {"preset": args.preset, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-                  "ffn_hidden_size": cfg.ffn_hidden_size, "heads": cfg.num_attention_heads,
-                  "vocab_padded": cfg.vocab_size, "seq_length": cfg.seq_length},
-        "parameters": parameter_counts(cfg).as_dict(),
-        "flops_per_token": cfg.flops_per_token(),
+        **_model_and_risk(args, cfg),
         "cluster": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                     "gpu_memory_gb": args.gpu_memory_gb,
                     "usable_gb": args.gpu_memory_gb * (1 - args.memory_margin), "peak_tflops": peak,
@@ -173,22 +186,29 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
         "ties": sum(1 for c in fitting if c.step_seconds <= best.step_seconds * (1 + TIE)) if best else 0,
         "async_save_host_gb_per_node": (async_save_host_bytes(cfg, best.layout)
                                         * min(args.gpus, args.gpus_per_node) / GiB if best else None),
-        "collapse_risk": collapse_risk(*load_law(args.collapse_law), args.norm_position,
-                                       run_factors(args, cfg), args.lr),
-        "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
         "notes": [DIST_OPT_NOTE] if args.use_distributed_optimizer else [],
     }
 
 
-def render(result: dict, top: int) -> str:
-    p, m, c = result["parameters"], result["model"], result["cluster"]
-    lines = [
+def _model_lines(result: dict) -> list[str]:
+    p, m = result["parameters"], result["model"]
+    return [
         f"model: {m['preset'] or 'custom'}  {m['num_layers']} x {m['hidden_size']}, "
         f"ffn {m['ffn_hidden_size']}, "
         f"{m['heads']} heads, vocab {m['vocab_padded']}, seq {m['seq_length']}",
         f"parameters: {p['total'] / 1e9:.3f}B total | embedding {p['embedding'] / 1e6:.1f}M | head "
         f"{p['head'] / 1e6:.1f}M | per layer {p['per_layer'] / 1e6:.2f}M",
         f"FLOPs per token (fwd+bwd): {result['flops_per_token'] / 1e9:.2f} GFLOP",
+    ]
+
+
+def render(result: dict, top: int) -> str:
+    m, c = result["model"], result["cluster"]
+    if c is None:
+        return "\n".join([*_model_lines(result), "layouts: none asked (--gpus N to lay the model out)",
+                          result["collapse_risk"]["line"], result["delayed_collapse"]["line"]])
+    lines = [
+        *_model_lines(result),
         f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
         f"({c['usable_gb']:.1f} usable), {c['precision']}, global batch {c['global_batch_size']} x "
         f"{m['seq_length']}, {c['peak_tflops']:g} TFLOP/s peak ({c['peak_source']})",

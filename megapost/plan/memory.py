@@ -101,6 +101,7 @@ class Precision:
     fused_adam: bool = True  # torch's fused AdamW (megapost everywhere); False: torch's per-tensor loop
     norm_kernel: str = "fused"  # "composite" on CPU, "fused" (torch) or "apex" on CUDA: norm_bytes
     loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS  # megapost.model.loss.BLOCK_ELEMENTS of the device
+    packed: bool = True  # --kernel-fusion auto: packed Q/K/V and W_1/W_3 + fused SwiGLU in bf16 (fusion.py)
 
     @property
     def act_bytes(self) -> int:
@@ -160,8 +161,13 @@ def stream_norm_bytes(cfg: ModelConfig, tokens: int, bf16: bool, kernel: str = "
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
-                           norm_kernel: str = "composite", layer_number: int = 1) -> int:
-    """Saved activations of block ``layer_number`` for one micro-batch (module docstring)."""
+                           norm_kernel: str = "composite", layer_number: int = 1,
+                           packed: bool = False) -> int:
+    """Saved activations of block ``layer_number`` for one micro-batch (module docstring). ``packed``
+    (``--kernel-fusion auto``, non-fp32 activations only): the packed Q/K/V GEMM's output stays whole while
+    attention saves V, a view of it (+ the Q and K columns per token; not when V is normed: HybridNorm),
+    and the fused SwiGLU keeps 3 ffn-wide tensors, not 4."""
+    packed = packed and e != 4
     h, f, s, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length, cfg.num_attention_heads
     t_all = micro_batch * s
     t_sp = t_all // tp if sp else t_all
@@ -175,7 +181,9 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool
     if attn_rule.qkv_norm or cfg.qk_norm:
         rows = [t_all * (a // tp), t_all * kv_heads] + ([t_all * kv_heads] if attn_rule.qkv_norm else [])
         attention += sum(norm_bytes(n, cfg.head_dim, e == 2, norm_kernel) for n in rows) + e * t_all * h // tp
-    mlp = 4 * e * t_all * f // tp
+    if packed and not attn_rule.qkv_norm:
+        attention += e * t_all * (h // tp + kv)
+    mlp = (3 if packed else 4) * e * t_all * f // tp
     return sublayers + attention + mlp
 
 
@@ -296,7 +304,8 @@ def _saved_activations(cfg: ModelConfig, lay: Layout, prec: Precision, stage: in
     e, n_layers = prec.act_bytes, stage_layers(cfg.num_layers, lay.pp)[stage]
     first = sum(stage_layers(cfg.num_layers, lay.pp)[:stage]) + 1
     per_layer = [layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
-                                        prec.norm_kernel, n) for n in range(first, first + n_layers)]
+                                        prec.norm_kernel, n, prec.packed)
+                 for n in range(first, first + n_layers)]
     if not lay.checkpoint:
         return sum(per_layer), 0
     k = lay.checkpoint_num_layers

@@ -54,6 +54,7 @@ from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.prepare import Prepared
 from megapost.train.trainer import Trainer
 from megapost.utils import kill_points
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,10 @@ def build_engine(config: Config, user_ds: dict[str, Any], model: torch.nn.Module
     return engine, ds_config, reduce_notes
 
 
-def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None
-          ) -> Trainer:
-    """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's)."""
+def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None,
+          faults: FaultInjector = NO_FAULTS) -> Trainer:
+    """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's;
+    ``faults``: a test harness's, none in production)."""
     args, model_cfg = prep.args, prep.model
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
@@ -161,7 +163,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
                         config.logging.remeasure_peak)
     memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, config.data, run, pstate, ds_config))
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
-                      peak.tflops, device, memory=memory)
+                      peak.tflops, device, memory=memory, faults=faults)
     interrupts.PROGRESS.state = trainer.state
     skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),

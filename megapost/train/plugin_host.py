@@ -69,11 +69,11 @@ class PluginHost:
         return active
 
     def end_step(self, step: int, active: list[Plugin], loss: Any) -> None:
-        """The step's loss to its active plugins (one host read, only when some are active)."""
-        if active:
-            loss_value = float(loss)
-            for plugin in active:
-                plugin.on_step_end(step, loss_value)
+        """The step's loss to its active plugins: the device tensor to those with ``loss_on_device``, else
+        a float (one host read, only when such a plugin is active)."""
+        value = float(loss) if any(not p.loss_on_device for p in active) else None
+        for plugin in active:
+            plugin.on_step_end(step, loss if plugin.loss_on_device else value)
 
     def before_optimizer_step(self, step: int) -> None:
         for plugin in self.active:

@@ -23,6 +23,7 @@ from megapost.train.logger import ParamStats, TrainLogger, host_norms
 from megapost.train.plugin_host import PluginBatches, PluginHost
 from megapost.train.step import StepRunner
 from megapost.train.watchdog import Watchdog
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 __all__ = ["PluginBatches", "TrainState", "Trainer"]
 
@@ -42,7 +43,7 @@ class Trainer:
                  pstate: ParallelState, train_iter_fn: Callable[[int], Iterator[Any]] | None,
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
                  monitor: Monitor, peak_tflops: float, device: torch.device,
-                 memory: PeakMemory | None = None) -> None:
+                 memory: PeakMemory | None = None, faults: FaultInjector = NO_FAULTS) -> None:
         """``config``: the resolved sections the parts read."""
         self.config, self.engine, self.pstate = config, engine, pstate
         self.monitor, self.device = monitor, device
@@ -63,7 +64,7 @@ class Trainer:
                                   stats, data.global_batch_size, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
                                              self.logger)
-        self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate)
+        self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, faults)
         self.host.bind(engine.ds, self.snapshot, self.restore)  # plugin services read DeepSpeed's engine
 
     @property
@@ -112,9 +113,12 @@ class Trainer:
         return self.logger.memory_report
 
     def close(self) -> None:
-        """The plugins' and the writers' files, closed."""
+        """The plugins' and the writers' files closed, and the engine destroyed: DeepSpeed's gradient
+        hooks and parameter mappings hold its optimizer (fp32 masters, moments, gradient buffers) alive
+        from the model's parameters until then. The module's weights stay readable."""
         self.host.close()
         self.monitor.close()
+        self.engine.destroy()
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

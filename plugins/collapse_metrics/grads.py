@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .similarity import norm
+from .similarity import accumulation_dtype
 from .table import GCOL
 
 SUBLAYER_GROUP = {"attention": "attn", "mlp": "ffn"}
@@ -78,15 +78,22 @@ class LayerParameters:
     def add_squared_norms(self, table: torch.Tensor, owned_grad: Callable[[nn.Parameter], Any],
                           scale: float = 1.0) -> None:
         """table[row, group] and table[row, total] += ||owned_grad(param)||^2 / scale^2 (the part this rank
-        owns, or None); table[:, count] += 1."""
+        owns, or None); table[:, count] += 1. One ``torch._foreach_norm`` per gradient dtype and device."""
         if not self.params:
             return
-        zero = torch.zeros((), dtype=torch.float64, device=table.device)
-        norms = []
-        for param in self.params:
+        sq = torch.zeros(len(self.params), dtype=torch.float64, device=table.device)
+        groups: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[torch.Tensor]]] = {}
+        for i, param in enumerate(self.params):
             grad = owned_grad(param)
-            norms.append(zero if grad is None else norm(grad).double().to(table.device))
-        sq = torch.stack(norms).square() / (scale * scale)
+            if grad is not None:
+                where, grads = groups.setdefault((grad.dtype, grad.device), ([], []))
+                where.append(i)
+                grads.append(grad)
+        for where, grads in groups.values():
+            norms = torch._foreach_norm(grads, 2, dtype=accumulation_dtype(grads[0]))
+            index = torch.tensor(where, dtype=torch.long).to(table.device, non_blocking=True)
+            sq.index_copy_(0, index, torch.stack(norms).to(table.device, torch.float64, non_blocking=True))
+        sq = sq.square() / (scale * scale)
         rows, total, named, cols = self.index(table.device)
         table.index_put_((rows, total), sq, accumulate=True)
         table.index_put_((rows[named], cols), sq[named], accumulate=True)

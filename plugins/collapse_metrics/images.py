@@ -61,6 +61,13 @@ class DepthImages:
         self.steps: deque[int] = deque(maxlen=max_steps)
         self.columns: deque[list[np.ndarray]] = deque(maxlen=max_steps)  # per quantity: [rows]
 
+    def copy(self) -> DepthImages:
+        """The values so far, frozen (a figure drawn from it does not see later steps)."""
+        other = DepthImages(self.layers, self.steps.maxlen or 2000)
+        other.steps.extend(self.steps)
+        other.columns.extend(self.columns)
+        return other
+
     def add(self, step: int, records: list[dict[str, Any]]) -> None:
         by = {(r["layer"], r["sublayer"]): r for r in records}
         col = []

@@ -14,6 +14,12 @@ docs/placements.md.
 Rank roles: probes are listened to where the residual stream is not a replica (every rank under
 sequence parallelism, else tensor-parallel rank 0); labels are counted on tensor-parallel rank 0 of
 the last pipeline stage; the logging rank writes (``writers.py``). Reductions: ``reduce.py``.
+
+Cost: the statistics are taken on the device in one batched pass per step (``recorder.py``,
+``grads.py``), reduced there, and copied to the host without waiting (``reduce.ReadBack``); the host
+reads a measured step's values at the next iteration's ``after_iteration`` (at once under
+``--collapse-guard`` / ``--collapse-autopsy``, which act on the step itself; and before a checkpoint's
+``state_dict``), and figures are drawn off the training thread (``writers.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections import deque
 from typing import Any
 
 import torch
@@ -35,7 +42,7 @@ from .frequency import RunningFrequencyLoss
 from .grads import LayerParameters
 from .guard import Guard, add_guard_arguments, check_guard_args
 from .recorder import Recorder
-from .reduce import reduce_buffer, sum_over_group
+from .reduce import ReadBack, reduce_buffer, sum_over_group
 from .state import CollapseState, StateConfig, grad_ratio
 from .table import StatsBuffer, layer_records, parse_layers, site_tsim
 from .transition import TransitionConfig, TransitionDetector
@@ -69,6 +76,7 @@ def corpus_frequency_loss(flags: Flags, vocab_size: int) -> float | None:
 
 class CollapseMetricsPlugin(Plugin):
     name = "collapse_metrics"
+    loss_on_device = True  # on_step_end gets the loss as a device tensor: no host read in the step
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -146,7 +154,15 @@ class CollapseMetricsPlugin(Plugin):
         self.recorder: Recorder | None = None
         self.params: LayerParameters | None = None
         self.params_of: nn.Module | None = None
-        self.last: dict[str, Any] = {}  # the latest step's records (for tests and tools)
+        self._last: dict[str, Any] = {}
+        self.read_backs: deque[ReadBack] = deque()  # measured steps reduced, not yet read by the host
+        self.defer = self.guard is None and self.autopsy is None  # the guard/autopsy act on the step itself
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The latest measured step's records (for tests and tools; reads any pending step first)."""
+        self.read_pending()
+        return self._last
 
     # ---- hooks ---------------------------------------------------------------------------------
     def on_model_built(self, model: nn.Module) -> None:
@@ -184,7 +200,7 @@ class CollapseMetricsPlugin(Plugin):
         if self.autopsy is not None:
             self.autopsy.before_optimizer_step(step, module)
 
-    def on_step_end(self, step: int, loss: float) -> None:
+    def on_step_end(self, step: int, loss: float | torch.Tensor | None) -> None:
         set_listener(self.model, None)
         ps, buf = self.ctx.parallel, self.buf
         partials = self.recorder.end_step()
@@ -193,12 +209,22 @@ class CollapseMetricsPlugin(Plugin):
             if ps.tp_rank == 0:
                 self.recorder.finish_sequence_parallel(summed)
         labels = self.step_labels
-        host = {"labels": labels.counts, "label_seq": [labels.seq_entropy_sum, labels.num_sequences],
-                "loss": [math.nan if loss is None else loss, 1.0] if ps.is_logging_rank else [0.0, 0.0]}
+        host = {"labels": labels.counts, "label_seq": [labels.seq_entropy_sum, labels.num_sequences]}
         for part, value in host.items():
             buf[part].copy_(torch.as_tensor(value, dtype=torch.float64), non_blocking=True)
-        reduced = buf.unflatten(reduce_buffer(buf))
-        self._finish(step, reduced)
+        if ps.is_logging_rank:
+            value = torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
+            buf["loss"][0].copy_(value, non_blocking=True)
+            buf["loss"][1].fill_(1.0)
+        self.read_backs.append(ReadBack(step, reduce_buffer(buf)))
+        if not self.defer:
+            self.read_pending()
+
+    def read_pending(self, before: int | None = None) -> None:
+        """Finish the reduced steps (those before step ``before``; all by default) in step order."""
+        while self.read_backs and (before is None or self.read_backs[0].step < before):
+            read = self.read_backs.popleft()
+            self._finish(read.step, self.buf.unflatten(read.value()))
 
     def _finish(self, step: int, reduced: dict[str, torch.Tensor]) -> None:
         records = layer_records(reduced, self.layers)
@@ -233,7 +259,7 @@ class CollapseMetricsPlugin(Plugin):
             "transition": event is not None, "grad_ratio": ratio, "collapsed": collapsed,
             "early_warning": warned,
         }
-        self.last = {"step": step, "layers": records, "step_record": step_record}
+        self._last = {"step": step, "layers": records, "step_record": step_record}
         if self.writers is not None:
             self.writers.write(step, records, step_record)
             for line in (event.line() if event is not None else None, alarm, warn_line):
@@ -242,6 +268,7 @@ class CollapseMetricsPlugin(Plugin):
                     self.writers.alert(step, line)
 
     def after_iteration(self, iteration: int) -> None:
+        self.read_pending(before=iteration)
         if self.autopsy is not None:
             event = self.autopsy_event == iteration
             line = self.autopsy.after_iteration(iteration, self.ctx, self.model, event,
@@ -266,6 +293,7 @@ class CollapseMetricsPlugin(Plugin):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the detectors' state and the logging rank's record (alarm steps,
         heatmap history), so a resumed run continues one record."""
+        self.read_pending()  # a measured step not yet read belongs to the state saved
         state = self._detectors_state()
         if self.writers is not None:
             state["writers"] = self.writers.state_dict()
@@ -303,6 +331,7 @@ class CollapseMetricsPlugin(Plugin):
             self.writers.drop_after(iteration)
 
     def close(self) -> None:
+        self.read_pending()
         if self.writers is not None:
             self.writers.close()
 

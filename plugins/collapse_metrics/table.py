@@ -1,8 +1,9 @@
 """One flat fp64 buffer per measured step holding every partial sum, and the metrics derived from it.
 
 All partial statistics of a step live in named views of a single tensor, so the cross-rank
-reduction is one collective on it (``reduce.py``). Each part is combined over ranks by a sum, except
-``rms_ext`` (max; minima are stored negated). Rows of the per-layer parts follow the selected layers.
+reduction is two collectives on it (``reduce.py``): the summed parts first, then the max parts
+(``rms_ext``: maxima, and minima stored negated) at the end (``StatsBuffer.max_start``). Rows of the
+per-layer parts follow the selected layers.
 
 Per (layer, sublayer) sums, ``SUB`` columns (t_sim sums are over sequences, norms over tokens):
     tsim_x, tsim_y, tsim_out   sum of per-sequence t_sim of X_k, Y_k, RMSNorm(Y_k)
@@ -68,22 +69,20 @@ class StatsBuffer:
         n = len(self.layers)
         self.parts = {
             "sub": Part((n, len(SUBLAYERS), len(SUB)), "sum"),
-            "rms_ext": Part((n, len(SUBLAYERS), 2), "max"),  # max r, max(-r)
             "grad": Part((n, len(GRAD)), "sum"),
             "site": Part((len(SITES), 2), "sum"),  # t_sim sum, sequences
             "labels": Part((vocab_size,), "sum"),  # label counts
             "label_seq": Part((2,), "sum"),  # sum of per-sequence label entropies, sequences
             "loss": Part((2,), "sum"),  # loss, 1 (logging rank only)
+            "rms_ext": Part((n, len(SUBLAYERS), 2), "max"),  # max r, max(-r); the max parts come last
         }
+        self.max_start = sum(p.numel for p in self.parts.values() if p.op == "sum")
         self.flat = torch.zeros(sum(p.numel for p in self.parts.values()), dtype=torch.float64, device=device)
         self.views: dict[str, torch.Tensor] = {}
-        is_max = torch.zeros(self.flat.numel(), dtype=torch.bool)
         start = 0
         for name, part in self.parts.items():
             self.views[name] = self.flat[start:start + part.numel].view(part.shape)
-            is_max[start:start + part.numel] = part.op == "max"
             start += part.numel
-        self.is_max = is_max.to(device)
         self.reset()
 
     @property
@@ -94,12 +93,8 @@ class StatsBuffer:
         return self.views[name]
 
     def reset(self) -> None:
-        self.flat.zero_()
-        self.flat.masked_fill_(self.is_max, -math.inf)
-
-    def combine(self, gathered: torch.Tensor) -> torch.Tensor:
-        """[ranks, numel] -> [numel]: sum over ranks, max for the max parts."""
-        return torch.where(self.is_max, gathered.amax(0), gathered.sum(0))
+        self.flat[:self.max_start].zero_()
+        self.flat[self.max_start:].fill_(-math.inf)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views of a reduced flat copy."""

@@ -1,7 +1,8 @@
 """Sinks of the logging rank: the JSONL (every layer) and TensorBoard, all in the run's one writer
 (tags and Custom Scalars layout: tb_layout.py; images of every layer: images.py). Alarm lines are also
 TensorBoard text (``collapse/alerts``), the alarm's switches the text ``collapse/state``. Null values
-(e.g. t_sim/out under Pre-Norm, alpha at step 0) are not written.
+(e.g. t_sim/out under Pre-Norm, alpha at step 0) are not written. Figures are drawn off the training
+thread (one worker thread, in step order, on a copy of the values; ``close`` waits for them).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from megapost.plugin_api import atomic_write_text
@@ -55,6 +57,8 @@ class Writers:
         self.measured = 0
         self.imaged = 0  # self.measured when the images were last drawn
         self.layout_written = False
+        self.drawer: ThreadPoolExecutor | None = None
+        self.drawing: list[Future] = []
         self.jsonl = None
         self.jsonl_path = os.path.join(directory, JSONL_NAME) if directory else None
         if directory:
@@ -113,10 +117,17 @@ class Writers:
         self.collapsed = bool(collapsed)
 
     def _draw(self, step: int) -> None:
-        """The depth profiles and heatmaps of every measured layer (images.py) at ``step``."""
-        self.writer.add_figure("collapse/depth_profiles", self.images.profiles(), step, close=True)
-        self.writer.add_figure("collapse/heatmaps", self.images.heatmaps(self.marks), step, close=True)
+        """The depth profiles and heatmaps of every measured layer (images.py) at ``step``, drawn by the
+        worker thread from a copy of the values so far."""
+        if self.drawer is None:
+            self.drawer = ThreadPoolExecutor(1, thread_name_prefix="collapse-figures")
+        self.drawing = [f for f in self.drawing if not f.done() or f.exception() is not None]
+        self.drawing.append(self.drawer.submit(self._render, self.images.copy(), dict(self.marks), step))
         self.imaged = self.measured
+
+    def _render(self, images: DepthImages, marks: dict[int, str], step: int) -> None:
+        self.writer.add_figure("collapse/depth_profiles", images.profiles(), step, close=True)
+        self.writer.add_figure("collapse/heatmaps", images.heatmaps(marks), step, close=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The record so far (alarm steps, alarm state and marks, image cadence and history), for the
@@ -155,4 +166,9 @@ class Writers:
         if self.writer is not None:
             if self.image_interval and self.measured > self.imaged:  # the last steps drawn, too
                 self._draw(self.images.steps[-1])
+            if self.drawer is not None:
+                self.drawer.shutdown(wait=True)
+                self.drawer = None
+                for done in self.drawing:
+                    done.result()  # a figure that failed raises here
             self.writer.flush()
