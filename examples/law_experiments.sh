@@ -8,6 +8,7 @@
 #   E2 batch:   64 x 4, warmup 500, 1,000 steps at peak, 256 / 1,024 / 4,096 tokens/step, 3 lrs x 2 seeds
 #   E3 depth:   128 x {8, 16, 32}, warmup 1,000, 700 steps at peak, 3 lrs x 2 seeds
 #   E2hi:       E2 at 1,024 tokens/step with lrs 0.035, 0.05 (part e2's lrs all survived there)
+#   E2top:      E2 at 1,024 tokens/step with lrs 0.07, 0.1, 0.14; E3l32: x32 at 2 lrs x 1 seed
 # What ran on 2 shared cores on 2026-12-04 (docs/study_results.md): E1 whole; E3 x8 whole, x16 in part,
 # x32 cut; E2 at 1,024 tokens/step whole, E2hi; E2 at 4,096 cut (its lrs cannot reach an event there).
 #
@@ -58,6 +59,14 @@ part_e3() {  # deepest last: 128 x 32 is the costliest cell
 part_e2hi() {  # added after E2 at 1,024 tokens/step survived every lr of part_e2: lrs that reach its events
   sweep e2_batch/t1024_hi --hidden 64 --depths 4 --seq-length 32 --batch 32 --warmups 500 --iters 1500 \
     --lrs 0.035,0.05 --seeds 1,2
+}
+part_e2top() {  # added after E2hi (0.035, 0.05) survived too: lrs that reach 1,024 tokens/step's events
+  sweep e2_batch/t1024_top --hidden 64 --depths 4 --seq-length 32 --batch 32 --warmups 500 --iters 1500 \
+    --lrs 0.07,0.1,0.14 --seeds 1,2
+}
+part_e3l32() {  # E3 x32 cut to 2 lrs x 1 seed (~30 min a run on 2 shared cores)
+  sweep e3_depth/L32 --hidden 128 --depths 32 --seq-length 32 --batch 8 --warmups 1000 --iters 1700 \
+    --lrs 0.0025,0.004 --seeds 1
 }
 part_e2() {
   for b in 8 32 128; do
