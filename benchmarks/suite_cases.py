@@ -121,7 +121,8 @@ def measure(shape: tuple, flags: list[str], o: argparse.Namespace, plugins: tupl
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     ds_config = trainer.engine.ds._config._param_dict
-    planned = planned_rank_peak(cfg, trainer.config.data, trainer.config.runtime, trainer.pstate, ds_config)
+    planned = planned_rank_peak(cfg, trainer.config.engine.batch, trainer.config.runtime, trainer.pstate,
+                                ds_config)
     row["planned_gb"] = planned / 2**30
     if "peak_mem_gb" in row:
         row["mem_over_plan"] = row["peak_mem_gb"] / row["planned_gb"]

@@ -44,9 +44,9 @@ class BareLoop:
     """A plain PyTorch training step of ``LlamaModel``: ``mode`` is fp32, autocast (fp32 weights,
     bf16 autocast) or bf16 (bf16 weights, fp32 master weights and fp32 gradient accumulation)."""
 
-    def __init__(self, cfg: ModelConfig, opt: OptimizerConfig, mode: str, micro: int, accum: int,
-                 device: torch.device | None = None) -> None:
-        self.mode, self.accum, self.clip = mode, accum, opt.clip_grad
+    def __init__(self, cfg: ModelConfig, opt: OptimizerConfig, clip_grad: float, mode: str, micro: int,
+                 accum: int, device: torch.device | None = None) -> None:
+        self.mode, self.accum, self.clip = mode, accum, clip_grad
         self.device = device or torch.device("cpu")  # the device megapost trains on: same-device ratios
         self.model = LlamaModel(cfg).to(self.device)
         self.batches: Iterator[dict[str, torch.Tensor]] = synthetic_batches(cfg.vocab_size, micro,
@@ -130,12 +130,12 @@ def main() -> None:
         torch.set_num_threads(b.threads)
     precision = ["--bf16"] if b.bf16 else []
     trainer, cfg, _ = build_trainer(b, precision)
-    opt = trainer.config.optimizer
+    opt, clip = trainer.config.optimizer, trainer.config.engine.clip_grad
     variants: dict[str, Callable[[], Any]] = {"megapost": lambda: float(trainer.train_step(1))}
     pairs: list[tuple[str, str, str]] = []  # (numerator, denominator, what and target)
     if b.bf16:
-        bare = BareLoop(cfg, opt, "bf16", b.micro, b.accum, trainer.device)
-        autocast = BareLoop(cfg, opt, "autocast", b.micro, b.accum, trainer.device)
+        bare = BareLoop(cfg, opt, clip, "bf16", b.micro, b.accum, trainer.device)
+        autocast = BareLoop(cfg, opt, clip, "autocast", b.micro, b.accum, trainer.device)
         fp32, _, _ = build_trainer(b, [])
         variants.update({"bare bf16": bare.step, "bare autocast": autocast.step,
                          "megapost fp32": lambda: float(fp32.train_step(1))})
@@ -144,7 +144,7 @@ def main() -> None:
                   ("megapost fp32", "megapost", "megapost fp32 / bf16 = bf16 speedup (target >= 2.0)"),
                   ("bare autocast", "bare bf16", "bare autocast / bare bf16")]
     else:
-        bare = BareLoop(cfg, opt, "fp32", b.micro, b.accum, trainer.device)
+        bare = BareLoop(cfg, opt, clip, "fp32", b.micro, b.accum, trainer.device)
         variants["bare fp32"] = bare.step
         pairs.append(("megapost", "bare fp32", "fp32 megapost / bare fp32 (target <= 1.10)"))
     if b.compile:  # warm-up (run_rounds) compiles; all blocks share one graph

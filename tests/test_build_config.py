@@ -44,13 +44,13 @@ def test_resolve_is_pure_frozen_and_what_ran(tiny_data) -> None:
         config.optimizer.lr = 1.0  # type: ignore[misc]
     assert config.model is prep.model
     assert config.engine.zero_stage == 1  # --bf16 runs DeepSpeed's ZeRO-1 bf16 optimizer
-    assert config.data.grad_accum_steps == 4 and config.data.train_samples == 6 * 8
+    assert config.engine.batch.grad_accum_steps == 4 and config.data.train_samples == 6 * 8
     assert config.data.valid_samples == 0  # --eval-interval 0
     written = json.loads(json.dumps(config.to_json(), default=str))
-    assert written["hidden_size"] == 64 and written["zero_stage"] == 1  # flat: every flag by name
-    assert written["resolved"]["optimizer"]["lr"] == pytest.approx(3e-3)
-    assert set(written["resolved"]) == {"model", "parallel", "data", "optimizer", "checkpoint", "logging",
-                                        "runtime", "engine"}
+    assert written["model"]["hidden_size"] == 64 and written["engine"]["zero_stage"] == 1
+    assert written["optimizer"]["lr"] == pytest.approx(3e-3)
+    assert set(written) == {"model", "parallel", "data", "optimizer", "checkpoint", "logging", "runtime",
+                            "engine", "plugins"}
 
 
 @pytest.mark.parametrize("flags, device, stage, overlap", [
@@ -58,13 +58,12 @@ def test_resolve_is_pure_frozen_and_what_ran(tiny_data) -> None:
     (("--overlap-grad-reduce",), "cpu", 2, True), (("--zero-stage", "1"), "cuda", 1, True),
     (("--no-overlap-grad-reduce",), "cuda", 1, False)])
 def test_grad_reduction_is_resolved_once(tiny_data, flags, device, stage, overlap) -> None:
-    """The ZeRO stage and overlap the engine runs are in the config (and its flags, as args.json and the
-    checkpoints record them); DeepSpeed's config is generated from them, the Namespace left as parsed."""
+    """The ZeRO stage and overlap the engine runs are in the config (its engine section, as args.json
+    records it); DeepSpeed's config is generated from them, the Namespace left as parsed."""
     prep = _prepare(tiny_data, "--bf16", *flags, world_size=2)
     config = resolve(prep.args, prep.model, device)
     engine = config.engine
     assert (engine.zero_stage, engine.overlap_grad_reduce) == (stage, overlap)
-    assert (config.flags["zero_stage"], config.flags["overlap_grad_reduce"]) == (stage, overlap)
     assert prep.args.overlap_grad_reduce == {"--overlap-grad-reduce": True,
                                              "--no-overlap-grad-reduce": False}.get(flags[:1] and flags[0])
     ds = build_ds_config(engine, {})

@@ -112,7 +112,7 @@ def test_the_plugins_rollback_restores_the_real_state(trainer) -> None:
     the weights, Adam's state, the lr and the data position are the snapshot's, and the step after it
     is the same step, bit for bit."""
     services, engine, st = trainer.host.binding, trainer.engine, trainer.state
-    batch = trainer.config.data.global_batch_size
+    batch = trainer.config.engine.batch.global_batch_size
 
     def step() -> torch.Tensor:
         loss = trainer.train_step(st.iteration + 1)

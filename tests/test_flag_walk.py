@@ -89,8 +89,8 @@ def _resolved(argv: list[str], worlds: tuple[int, ...] = WORLD_SIZES) -> tuple[d
         out: dict[str, Any] = {"world": world}
         notes = [*prep.args.megatron_notes, *prep.args.start_notes]
         for device in ("cpu", "cuda"):
-            config = resolve(prep.args, prep.model, device)
-            sections = config.to_json()["resolved"]
+            config = resolve(prep.args, prep.model, device, prep.plugin_classes)
+            sections = config.to_json()
             sections["logging"].pop("megatron_notes")  # notes are judged as notes
             notes += sections["engine"].pop("reduce_notes")
             out[device] = {"resolved": sections, "deepspeed": build_ds_config(config.engine, prep.user_ds)}

@@ -36,8 +36,9 @@ def test_scaling_study_script_smoke(tiny_data, tmp_path):
     assert sorted((r["variant"], r["seed"]) for r in rows) == [("post", "1"), ("pre", "1")]
     args = json.loads((runs / "outcomes" / "cells" / "post_L4_lr0.03_w200_s1" / "tensorboard" / "args.json")
                       .read_text())
-    assert args["hidden_size"] == 32 and args["train_iters"] == 6 and args["lr_warmup_iters"] == 200
-    assert args["data_path"] == tiny_data.prefix
+    assert args["model"]["hidden_size"] == 32 and args["runtime"]["train_iters"] == 6
+    assert args["optimizer"]["lr_warmup_iters"] == 200
+    assert args["launches"][-1]["data"]["data_path"] == [tiny_data.prefix]
     assert "| post | 4 | 0.03 | 200 | 1 |" in (runs / "outcomes" / "cells.md").read_text()
 
 
@@ -54,7 +55,8 @@ def test_scaling_study_guard_part(tiny_data, tmp_path):
         assert [line.split(" | ")[0] for line in table[2:]] == ["| `lr*0.5`", "| `rewarm`"]
     guarded = json.loads((runs / "guard_delayed_rewarm" / "cells" / "post_L4_lr0.03_w200_s1" / "tensorboard"
                           / "args.json").read_text())
-    assert guarded["collapse_guard_remedy"] == "rewarm" and guarded["collapse_guard_on"] == "early"
+    collapse = guarded["plugins"]["collapse_metrics"]
+    assert collapse["collapse_guard_remedy"] == "rewarm" and collapse["collapse_guard_on"] == "early"
 
 
 def _without_training(monkeypatch, collapse_boundary, fake_run) -> None:

@@ -92,8 +92,9 @@ def test_sweep_writes_results_and_resumes_and_the_table(tiny_data, tmp_path) -> 
     cells = sorted(p.name for p in (sweep / "cells").iterdir())
     assert cells == ["post+qk-norm_L2_lr0.1_w0_s1", "pre_L2_lr0.1_w0_s1"]
     trained = {c: json.loads((sweep / "cells" / c / "tensorboard" / "args.json").read_text()) for c in cells}
-    assert trained[cells[0]]["qk_norm"] is True and trained[cells[0]]["norm_position"] == "post"
-    assert trained[cells[1]]["qk_norm"] is False and trained[cells[1]]["norm_position"] == "pre"
+    models = {c: trained[c]["model"] for c in cells}
+    assert models[cells[0]]["qk_norm"] is True and models[cells[0]]["norm_position"] == "post"
+    assert models[cells[1]]["qk_norm"] is False and models[cells[1]]["norm_position"] == "pre"
     logs = {c: (sweep / "cells" / c / "train.log").stat().st_mtime_ns for c in cells}
     again = _sweep(tiny_data, sweep, "--norms", "post+qk-norm,pre")  # finished cells are not rerun
     assert again.returncode == 0 and "[sweep] 2/2 cells" in again.stdout
@@ -134,7 +135,7 @@ def test_placement_study_script_smoke(tiny_data, tmp_path) -> None:
         RUN_ROOT=str(tmp_path / "runs"), OUT=str(out), VARIANTS="post+z-loss=1e-4", DELAYED_VARIANTS="",
         LAYERS="2", HIDDEN="32", SEQ="16", BATCH="2", ITERS="3", K="1", JOBS="1")
     cell = tmp_path / "runs" / "toy" / "cells" / "post+z-loss=1e-4_L2_lr0.01_w0_s1234"
-    assert json.loads((cell / "tensorboard" / "args.json").read_text())["z_loss"] == 1e-4
+    assert json.loads((cell / "tensorboard" / "args.json").read_text())["optimizer"]["z_loss"] == 1e-4
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     assert [(r["config"], r["variant"]) for r in rows] == [("toy", "post+z-loss=1e-4")]
     assert math.isfinite(float(rows[0]["final_loss"]))

@@ -58,7 +58,7 @@ def test_tensorboard_scalars_and_loss_falls(tiny_data, tmp_path) -> None:
     lr = read_scalars(tb, "train/lr")
     assert lr[1] == pytest.approx(3e-3 / 2) and lr[2] == pytest.approx(3e-3)  # warmup 2
     assert sorted(read_scalars(tb, "valid/lm_loss")) == [6, 12]
-    assert json.loads((tb / "args.json").read_text())["hidden_size"] == 64
+    assert json.loads((tb / "args.json").read_text())["model"]["hidden_size"] == 64
 
 
 def _error(argv: list[str], capsys) -> str:

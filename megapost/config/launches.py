@@ -2,8 +2,11 @@
 again (whether the data is the tag's own is checked against the tag: megapost.checkpoint.data_identity).
 
 ``args.json`` (in the TensorBoard directory, and in ``--save`` so ``--load`` alone finds it) holds the
-latest launch's flags at the top level (what analysis tools read) and ``launches``: every launch, oldest
-first, each with its time, command line, data and schedule settings.
+latest launch's typed config, one object per section (``model``, ``optimizer``, ...; ``plugins``: each
+plugin's own; megapost.config.resolved), ``format`` 2, and ``launches``: every launch, oldest first, each
+with its time, command line, data and schedule settings. A run from before (no ``format``) has every flag
+by name at the top level instead; both are read (``read_launches``; analysis reads a section's field or
+the flat flag).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from typing import Any
 
 ARGS_JSON = "args.json"
+RECORD_FORMAT = 2  # the sections; before it (no "format"): every flag by name, flat
 DATA_KEYS = ("data_path", "split", "tokenizer_type", "tokenizer_model", "vocab_size", "train_data_path",
              "valid_data_path", "test_data_path", "data_args_path", "per_split_data_args_path")
 SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters",
@@ -88,23 +92,25 @@ def fresh_start(args: argparse.Namespace) -> str | None:
     return f"--load {args.save}: no checkpoint there yet; starting a new run that saves to it (as Megatron)"
 
 
-def record(args: argparse.Namespace) -> dict[str, Any]:
-    """args.json's content: this launch's flags at the top level, and the history with it appended."""
-    flat = {k: v for k, v in vars(args).items() if k not in ("explicit", "launch_history", "launch_data")}
-    launch = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
-              "data": getattr(args, "launch_data", data_settings(args)),
-              "schedule": {k: getattr(args, k, None) for k in SCHEDULE_KEYS}}
-    return {**flat, "launches": [*getattr(args, "launch_history", []), launch]}
+def launch_entry(args: argparse.Namespace) -> dict[str, Any]:
+    """This launch's entry in ``launches``: time, command line, data and schedule settings as given."""
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
+            "data": getattr(args, "launch_data", data_settings(args)),
+            "schedule": {k: getattr(args, k, None) for k in SCHEDULE_KEYS}}
 
 
-def write_record(args: argparse.Namespace, directories: list[str | None],
-                 resolved: dict[str, Any] | None = None) -> None:
-    """Rank 0: args.json (atomically) into each directory of ``directories``; ``resolved``: the typed
-    configuration's sections (megapost.config.resolved), stored under ``"resolved"``."""
+def record(args: argparse.Namespace, sections: dict[str, Any]) -> dict[str, Any]:
+    """args.json's content: the typed config's ``sections`` (megapost.config.resolved.Config.to_json) and
+    the launch history with this launch appended."""
+    return {"format": RECORD_FORMAT, **sections,
+            "launches": [*getattr(args, "launch_history", []), launch_entry(args)]}
+
+
+def write_record(args: argparse.Namespace, directories: list[str | None], sections: dict[str, Any]) -> None:
+    """Rank 0: args.json (atomically) into each directory of ``directories``."""
     from megapost.utils.atomic import atomic_write_text
 
-    content = record(args) | ({"resolved": resolved} if resolved is not None else {})
-    text = json.dumps(content, indent=1, default=str)
+    text = json.dumps(record(args, sections), indent=1, default=str)
     for directory in {d for d in directories if d}:
         os.makedirs(directory, exist_ok=True)
         atomic_write_text(os.path.join(directory, ARGS_JSON), text)

@@ -1,14 +1,16 @@
 """The resolved, typed configuration: one pure ``resolve(args, model, device_type)`` after parsing and
 validation turns the flags (presets applied, Megatron flags mapped, batch arithmetic and run directory
 done) into frozen sections, each the input of one part of the build (megapost.train.build); the
-Namespace goes no further. ``to_json`` is the run's ``args.json``: every flag by name (flat, as before)
-and the sections under ``resolved``."""
+Namespace goes no further. Every field lives in exactly one section ("where is the config of X": here);
+a plugin's own flags are its own typed section (``Config.plugins``). ``to_json`` is the run's
+``args.json`` (megapost.config.launches), the sections' serialisation."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -27,19 +29,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """The batch arithmetic of one optimizer step (per data-parallel rank: ``micro_batch_size``)."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+
+
+@dataclass(frozen=True)
 class DataConfig:
+    """The corpus and its splits (the sequence length and --seed: ``ModelConfig``'s)."""
+
     sources: Any  # megapost.data.blend.DataSources (frozen)
     split: str
     cache_dir: str  # --data-cache-dir, else index-cache/ beside the first --data-path
     tokenizer_type: str
     tokenizer_model: str | None
-    seq_length: int
-    micro_batch_size: int
-    global_batch_size: int
-    grad_accum_steps: int
     train_samples: int
     valid_samples: int  # 0 without evaluation
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,6 @@ class OptimizerConfig:
     adam_beta2: float
     adam_eps: float
     sgd_momentum: float
-    clip_grad: float
     z_loss: float
     lr_warmup_iters: int
     lr_decay_iters: int
@@ -104,11 +111,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What DeepSpeed's config is generated from (megapost.optim.ds_config, .grad_reduce), as it runs."""
+    """What DeepSpeed's config is generated from (megapost.optim.ds_config, .grad_reduce), as it runs:
+    the step's batch, precision, clipping and gradient reduction."""
 
-    global_batch_size: int
-    micro_batch_size: int
-    grad_accum_steps: int
+    batch: BatchConfig
     clip_grad: float
     bf16: bool
     zero_stage: int  # as DeepSpeed runs it: --bf16 promotes 0 to 1, an overlapped bf16 reduction of
@@ -124,23 +130,28 @@ class RuntimeConfig:
     train_iters: int
     eval_interval: int
     eval_iters: int
-    bf16: bool
     checkpoint_activations: bool
     checkpoint_num_layers: int
     compile: bool
-    seed: int
     exit_interval: int
     exit_duration_in_mins: float
     exit_signal_handler: bool
     deepspeed_config: str | None
-    plugins: str
     iterations_to_skip: tuple[int, ...] = ()  # Megatron-LM's --iterations-to-skip
     max_consecutive_skipped_iterations: int = 10
     kernel_fusion: str = "auto"  # --kernel-fusion (megapost.model.fusion.parse_fusion)
+    manual_gc: bool = False  # Megatron's --manual-gc (megapost.train.manual_gc)
+    manual_gc_interval: int = 0
+
+
+SECTIONS = ("model", "parallel", "data", "optimizer", "checkpoint", "logging", "runtime", "engine")
 
 
 @dataclass(frozen=True)
 class Config:
+    """The run's configuration: each field in exactly one section; ``plugins``: each --plugins plugin's
+    own typed config by plugin name (its ``config_class``, parsed from its own flags)."""
+
     model: ModelConfig
     parallel: ParallelConfig
     data: DataConfig
@@ -149,14 +160,26 @@ class Config:
     logging: LoggingConfig
     runtime: RuntimeConfig
     engine: EngineConfig
-    flags: MappingProxyType  # every parsed flag by dest (plugins' included, zero_stage and
-    # overlap_grad_reduce as the engine runs them), read-only
+    plugins: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    flags: MappingProxyType = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # ``flags``: every parsed flag by dest, read only by megapost.checkpoint until it reads the sections
 
     def to_json(self) -> dict[str, Any]:
-        sections = {name: asdict(getattr(self, name)) for name in
-                    ("model", "parallel", "data", "optimizer", "checkpoint", "logging", "runtime", "engine")}
+        """``args.json``'s sections (megapost.config.launches): each section's fields by name, the
+        plugins' configs under ``plugins``."""
+        sections: dict[str, Any] = {name: asdict(getattr(self, name)) for name in SECTIONS}
         sections["data"]["sources"] = repr(self.data.sources)
-        return {**self.flags, "resolved": sections}
+        sections["plugins"] = {name: asdict(cfg) for name, cfg in self.plugins.items()}
+        return sections
+
+
+def plugin_config(cls: type, args: argparse.Namespace) -> Any:
+    """A plugin's typed config: its ``config_class`` (a dataclass whose fields are the dests of the flags
+    its ``add_arguments`` registers) from the parsed flags; None for a plugin without one."""
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        return None
+    return config_class(**{f.name: getattr(args, f.name) for f in fields(config_class)})
 
 
 def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, tuple[str, ...]]:
@@ -201,46 +224,79 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
 def engine_config(a: argparse.Namespace, device_type: str) -> EngineConfig:
     """The engine section of validated flags on a ``device_type`` rank."""
     zero_stage, overlap, reduce_notes = grad_reduction(a, device_type)
-    return EngineConfig(a.global_batch_size, a.micro_batch_size, a.grad_accum_steps, a.clip_grad,
-                        bool(a.bf16), zero_stage, overlap, bool(a.grad_reduce_in_bf16 and a.bf16),
-                        reduce_notes)
+    return EngineConfig(
+        batch=BatchConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
+                          grad_accum_steps=a.grad_accum_steps),
+        clip_grad=a.clip_grad, bf16=bool(a.bf16), zero_stage=zero_stage, overlap_grad_reduce=overlap,
+        grad_reduce_in_bf16=bool(a.grad_reduce_in_bf16 and a.bf16), reduce_notes=reduce_notes)
 
 
-def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str) -> Config:
-    """The typed configuration of validated ``args`` on a ``device_type`` ("cuda", "cpu") rank (pure:
-    reads ``args``, changes nothing)."""
+def _data(a: argparse.Namespace) -> DataConfig:
+    cache = a.data_cache_dir or os.path.join(os.path.dirname(os.path.abspath(a.data_path)), "index-cache")
+    return DataConfig(sources=a.data_sources, split=a.split, cache_dir=cache, tokenizer_type=a.tokenizer_type,
+                      tokenizer_model=a.tokenizer_model,
+                      train_samples=a.train_iters * a.global_batch_size,
+                      valid_samples=a.eval_iters * a.global_batch_size if a.eval_interval else 0)
+
+
+def _optimizer(a: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=a.optimizer, lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, sgd_momentum=a.sgd_momentum, z_loss=a.z_loss,
+        lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
+        lr_wsd_decay_iters=a.lr_wsd_decay_iters or 0, lr_wsd_decay_style=a.lr_wsd_decay_style,
+        lr_warmup_init=a.lr_warmup_init)
+
+
+def _checkpoint(a: argparse.Namespace) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=a.save, load=a.load, load_hf=a.load_hf, save_interval=a.save_interval,
+        trust_checkpoint=a.trust_checkpoint, ckpt_format=a.ckpt_format, async_save=a.async_save,
+        save_retain=a.save_retain, save_retain_every=a.save_retain_every, finetune=a.finetune,
+        no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, ckpt_step=a.ckpt_step)
+
+
+def _logging(a: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, run_dir=a.run_dir,
+        runs_dir=a.runs_dir, run_name=a.run_name, tensorboard_queue_size=a.tensorboard_queue_size,
+        peak_tflops=a.peak_tflops,
+        remeasure_peak=a.remeasure_peak, megatron_notes=tuple(a.megatron_notes),
+        log_params_norm=a.log_params_norm, log_num_zeros_in_grad=a.log_num_zeros_in_grad,
+        tensorboard_log_interval=a.tensorboard_log_interval,
+        log_learning_rate_to_tensorboard=a.log_learning_rate_to_tensorboard,
+        log_gradient_norm_to_tensorboard=a.log_gradient_norm_to_tensorboard,
+        log_batch_size_to_tensorboard=a.log_batch_size_to_tensorboard,
+        log_world_size_to_tensorboard=a.log_world_size_to_tensorboard)
+
+
+def _runtime(a: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(
+        train_iters=a.train_iters, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
+        checkpoint_activations=a.checkpoint_activations, checkpoint_num_layers=a.checkpoint_num_layers,
+        compile=a.compile, exit_interval=a.exit_interval,
+        exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
+        deepspeed_config=a.deepspeed_config, iterations_to_skip=tuple(a.iterations_to_skip),
+        max_consecutive_skipped_iterations=a.max_consecutive_skipped_iterations,
+        kernel_fusion=getattr(a, "kernel_fusion", "auto"), manual_gc=bool(getattr(a, "manual_gc", False)),
+        manual_gc_interval=getattr(a, "manual_gc_interval", 0))
+
+
+def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str,
+            plugin_classes: Sequence[type] = ()) -> Config:
+    """The typed configuration of validated ``args`` on a ``device_type`` ("cuda", "cpu") rank, with the
+    typed config of each of ``plugin_classes`` (pure: reads ``args``, changes nothing)."""
     a = args
     engine = engine_config(a, device_type)
-    cache = a.data_cache_dir or os.path.join(os.path.dirname(os.path.abspath(a.data_path)), "index-cache")
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
+        data_parallel_size=a.data_parallel_size, distributed_backend=a.distributed_backend,
+        distributed_timeout_minutes=a.distributed_timeout_minutes)
+    plugins = {getattr(cls, "name", cls.__name__): plugin_config(cls, a) for cls in plugin_classes}
     return Config(
-        model=model,
-        parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                                a.sequence_parallel, a.data_parallel_size, a.distributed_backend,
-                                a.distributed_timeout_minutes),
-        data=DataConfig(a.data_sources, a.split, cache, a.tokenizer_type, a.tokenizer_model, a.seq_length,
-                        a.micro_batch_size, a.global_batch_size, a.grad_accum_steps,
-                        a.train_iters * a.global_batch_size,
-                        a.eval_iters * a.global_batch_size if a.eval_interval else 0, a.seed),
-        optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.weight_decay, a.adam_beta1, a.adam_beta2,
-                                  a.adam_eps, a.sgd_momentum, a.clip_grad, a.z_loss, a.lr_warmup_iters,
-                                  a.lr_decay_iters, a.lr_decay_style, a.lr_wsd_decay_iters or 0,
-                                  a.lr_wsd_decay_style, a.lr_warmup_init),
-        checkpoint=CheckpointConfig(a.save, a.load, a.load_hf, a.save_interval, a.trust_checkpoint,
-                                    a.ckpt_format, a.async_save, a.save_retain, a.save_retain_every,
-                                    a.finetune, a.no_load_optim, a.no_load_rng, a.ckpt_step),
-        logging=LoggingConfig(a.log_interval, a.tensorboard_dir, a.run_dir, a.runs_dir, a.run_name,
-                              a.tensorboard_queue_size, a.peak_tflops, a.remeasure_peak,
-                              tuple(a.megatron_notes), a.log_params_norm, a.log_num_zeros_in_grad,
-                              a.tensorboard_log_interval, a.log_learning_rate_to_tensorboard,
-                              a.log_gradient_norm_to_tensorboard, a.log_batch_size_to_tensorboard,
-                              a.log_world_size_to_tensorboard),
-        runtime=RuntimeConfig(a.train_iters, a.eval_interval, a.eval_iters, bool(a.bf16),
-                              a.checkpoint_activations, a.checkpoint_num_layers, a.compile, a.seed,
-                              a.exit_interval, a.exit_duration_in_mins, a.exit_signal_handler,
-                              a.deepspeed_config, a.plugins, tuple(a.iterations_to_skip),
-                              a.max_consecutive_skipped_iterations,
-                              kernel_fusion=getattr(a, "kernel_fusion", "auto")),
-        engine=engine,
+        model=model, parallel=parallel, data=_data(a), optimizer=_optimizer(a), checkpoint=_checkpoint(a),
+        logging=_logging(a), runtime=_runtime(a), engine=engine, plugins=MappingProxyType(plugins),
         flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
                                 "zero_stage": engine.zero_stage,
                                 "overlap_grad_reduce": engine.overlap_grad_reduce}),

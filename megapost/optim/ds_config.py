@@ -13,15 +13,15 @@ from megapost.config.resolved import EngineConfig
 def build_ds_config(engine: EngineConfig, user: dict[str, Any]) -> dict[str, Any]:
     """The full config handed to deepspeed.initialize."""
     config: dict[str, Any] = json.loads(json.dumps(user))  # deep copy
-    if user.get("gradient_accumulation_steps") not in (None, engine.grad_accum_steps):
+    if user.get("gradient_accumulation_steps") not in (None, engine.batch.grad_accum_steps):
         raise ConfigError(
             f"gradient_accumulation_steps={user['gradient_accumulation_steps']} in --deepspeed_config "
-            f"contradicts global/(micro x dp) = {engine.grad_accum_steps}"
+            f"contradicts global/(micro x dp) = {engine.batch.grad_accum_steps}"
         )
     config.update(
-        train_batch_size=engine.global_batch_size,
-        train_micro_batch_size_per_gpu=engine.micro_batch_size,
-        gradient_accumulation_steps=engine.grad_accum_steps,
+        train_batch_size=engine.batch.global_batch_size,
+        train_micro_batch_size_per_gpu=engine.batch.micro_batch_size,
+        gradient_accumulation_steps=engine.batch.grad_accum_steps,
         gradient_clipping=engine.clip_grad,
         steps_per_print=config.get("steps_per_print", 10**9),
         wall_clock_breakdown=config.get("wall_clock_breakdown", False),

@@ -73,8 +73,8 @@ def configure_grad_reduction(config: dict[str, Any], engine: EngineConfig, model
             notes.append(f"gradient reduction overlapped with backward (ZeRO-{zero['stage']}, buckets of "
                          f"{zero['reduce_bucket_size']:,} elements, {comm})")
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reduced = dp_step_bytes(params, dp_size, zero["stage"], engine.grad_accum_steps, engine.bf16,
+    reduced = dp_step_bytes(params, dp_size, zero["stage"], engine.batch.grad_accum_steps, engine.bf16,
                             config.get("communication_data_type") == "bf16")
     if reduced.reductions:  # one data-parallel rank: nothing reduced, nothing to say
-        notes.append(describe(reduced, zero["stage"], engine.grad_accum_steps))
+        notes.append(describe(reduced, zero["stage"], engine.batch.grad_accum_steps))
     return notes

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from megapost.config.resolved import DataConfig, RuntimeConfig
+from megapost.config.resolved import BatchConfig, RuntimeConfig
 from megapost.model import ModelConfig
 from megapost.model.loss import BLOCK_ELEMENTS, DEFAULT_BLOCK_ELEMENTS
 from megapost.plan.counts import ParameterCounts, parameter_counts
@@ -32,11 +32,11 @@ def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
     )
 
 
-def planned_rank_peak(cfg: ModelConfig, data: DataConfig, runtime: RuntimeConfig, pstate: Any,
+def planned_rank_peak(cfg: ModelConfig, batch: BatchConfig, runtime: RuntimeConfig, pstate: Any,
                       ds_config: dict[str, Any]) -> int:
     """The planner's peak bytes for this rank of a built run (its pipeline stage)."""
     layout = Layout(pstate.tp_size, pstate.pp_size, pstate.dp_size, ds_config["zero_optimization"]["stage"],
-                    data.micro_batch_size, data.grad_accum_steps, runtime.checkpoint_activations,
+                    batch.micro_batch_size, batch.grad_accum_steps, runtime.checkpoint_activations,
                     pstate.sequence_parallel, runtime.checkpoint_num_layers)
     cuda = torch.cuda.is_available()  # megapost.optim.optimizer builds fused AdamW on every device
     from megapost.model.norm import _ApexRMSNorm

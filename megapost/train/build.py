@@ -21,7 +21,7 @@ from megapost.checkpoint import safety as checkpoint_safety
 from megapost.config import launches
 from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import init_summary
-from megapost.config.resolved import Config, DataConfig, OptimizerConfig, resolve
+from megapost.config.resolved import BatchConfig, Config, DataConfig, OptimizerConfig, resolve
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
@@ -29,6 +29,7 @@ from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
+from megapost.model.config import ModelConfig
 from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.optim import hooks as optim_hooks
 from megapost.optim.ds_config import build_ds_config
@@ -65,19 +66,20 @@ class DataSource:
     valid: Callable[[], Iterator[dict[str, Any]] | None]
 
 
-def build_data(data: DataConfig, pstate: ParallelState) -> DataSource:
-    """This rank's data-parallel slice of --data-path's train and valid splits."""
-    train, valid, _ = build_datasets(data.sources, data.split, seq_length=data.seq_length,
-                                     seed=data.seed, sizes=(data.train_samples, data.valid_samples, 0),
+def build_data(data: DataConfig, batch: BatchConfig, model: ModelConfig, pstate: ParallelState) -> DataSource:
+    """This rank's data-parallel slice of --data-path's train and valid splits (``model``: its sequence
+    length and --seed)."""
+    train, valid, _ = build_datasets(data.sources, data.split, seq_length=model.seq_length,
+                                     seed=model.seed, sizes=(data.train_samples, data.valid_samples, 0),
                                      cache_dir=data.cache_dir)
 
     def train_iter(consumed: int) -> Any:
-        return build_data_iterator(train, consumed, data.micro_batch_size, pstate.dp_rank, pstate.dp_size)
+        return build_data_iterator(train, consumed, batch.micro_batch_size, pstate.dp_rank, pstate.dp_size)
 
     def valid_iter() -> Any:
         if valid is None:
             return None
-        return build_data_iterator(valid, 0, data.micro_batch_size, pstate.dp_rank, pstate.dp_size)
+        return build_data_iterator(valid, 0, batch.micro_batch_size, pstate.dp_rank, pstate.dp_size)
 
     return DataSource(train_iter, valid_iter)
 
@@ -127,7 +129,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
-    config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
+    config = resolve(args, model_cfg, device.type, prep.plugin_classes)  # below: the typed sections
     log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
     progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
     progress.checkpoint_of = checkpoint_io.last_complete
@@ -135,10 +137,10 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  par.sequence_parallel)
-    data = data or build_data(config.data, pstate)
-    torch.manual_seed(config.runtime.seed)  # and python's and numpy's generators, as Megatron-LM seeds
-    random.seed(config.runtime.seed)  # them: a checkpoint's RNG state is then the same in every run
-    np.random.seed(config.runtime.seed)  # of one config (tools/soak.py compares it bit for bit)
+    data = data or build_data(config.data, config.engine.batch, config.model, pstate)
+    torch.manual_seed(config.model.seed)  # and python's and numpy's generators, as Megatron-LM seeds
+    random.seed(config.model.seed)  # them: a checkpoint's RNG state is then the same in every run
+    np.random.seed(config.model.seed)  # of one config (tools/soak.py compares it bit for bit)
     run = config.runtime
     model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                  checkpoint_num_layers=run.checkpoint_num_layers,
@@ -159,9 +161,10 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     ds, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
     engine = DeepSpeedEngine(ds, loss_fn, pipeline=config.parallel.pipeline_model_parallel_size > 1,
                              tp_rank=pstate.tp_rank, dp_rank=pstate.dp_rank)
-    peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if run.bf16 else torch.float32, device,
-                        config.logging.remeasure_peak)
-    memory = PeakMemory(device, tracker, planned_rank_peak(model_cfg, config.data, run, pstate, ds_config))
+    peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if config.engine.bf16 else torch.float32,
+                        device, config.logging.remeasure_peak)
+    planned = planned_rank_peak(model_cfg, config.engine.batch, run, pstate, ds_config)
+    memory = PeakMemory(device, tracker, planned)
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
                       peak.tflops, device, memory=memory, faults=faults)
     interrupts.PROGRESS.state = trainer.state
@@ -205,10 +208,10 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
         trainer.continue_logs(-1, -1)
     trainer.checkpoints.start()  # --save seen by every rank; tags beyond the start set aside
     monitor.line(f" megapost: {config.model.parameter_summary()}, norm={config.model.norm_position}, "
-                 f"{init_summary(args)}, {'bf16' if config.runtime.bf16 else 'fp32'}, {prep.threads}, "
+                 f"{init_summary(args)}, {'bf16' if config.engine.bf16 else 'fp32'}, {prep.threads}, "
                  f"(TP,PP,DP)=({pstate.tp_size},{pstate.pp_size},{pstate.dp_size}), "
-                 f"grad accum {config.data.grad_accum_steps}, peak {peak}")
-    for note in [n for n in (bf16_note(config.runtime.bf16, device),) if n]:
+                 f"grad accum {config.engine.batch.grad_accum_steps}, peak {peak}")
+    for note in [n for n in (bf16_note(config.engine.bf16, device),) if n]:
         monitor.line(f" megapost: {note}")
     for note in args.start_notes:  # what a Megatron command line means here, and what a resume changed
         monitor.line(f" megapost: {note}")
@@ -219,6 +222,5 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
         monitor.line(f" megapost: accepted {note}")
     for note in notes + [n for n in (_untyped_save_note(config, args),) if n]:
         monitor.line(f" megapost: {note}")
-    if pstate.is_logging_rank:  # args.json: every flag, the launch history and the resolved sections
-        launches.write_record(argparse.Namespace(**config.flags), [config.logging.tensorboard_dir, ckpt.save],
-                              resolved=config.to_json()["resolved"])  # the flags as resolved
+    if pstate.is_logging_rank:  # args.json: the typed sections and the launch history
+        launches.write_record(args, [config.logging.tensorboard_dir, ckpt.save], config.to_json())

@@ -104,7 +104,7 @@ class CheckpointManager:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
         TensorBoard directory and the plugins' files, so steps never repeat or go backward."""
         self.host.on_resume(iteration)
-        self.monitor.resume(iteration, consumed * self.config.data.seq_length)
+        self.monitor.resume(iteration, consumed * self.config.model.seq_length)
 
     def load(self) -> None:
         saver.before_state_changes()

@@ -48,10 +48,10 @@ class Trainer:
         self.config, self.engine, self.pstate = config, engine, pstate
         self.monitor, self.device = monitor, device
         self.state = TrainState()
-        data, run, ckpt = config.data, config.runtime, config.checkpoint
-        self.tokens_per_step = data.global_batch_size * data.seq_length
+        batch, run, ckpt = config.engine.batch, config.runtime, config.checkpoint
+        self.tokens_per_step = batch.global_batch_size * config.model.seq_length
         self.host = PluginHost(plugins)
-        self.runner = StepRunner(engine, loss_fn, pstate, device, data.grad_accum_steps,
+        self.runner = StepRunner(engine, loss_fn, pstate, device, batch.grad_accum_steps,
                                  config.parallel.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
         self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step)
         throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops,
@@ -61,7 +61,7 @@ class Trainer:
             if log.log_params_norm or log.log_num_zeros_in_grad else None
         self.logger = TrainLogger(monitor, throughput, memory or PeakMemory(device), device, log,
                                   run.train_iters, self.tokens_per_step, ckpt.save, self.runner.dp_mean,
-                                  stats, data.global_batch_size, run.max_consecutive_skipped_iterations)
+                                  stats, batch.global_batch_size, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
                                              self.logger)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, faults)
@@ -141,7 +141,7 @@ class Trainer:
         self.logger.skips.iteration = st.iteration + 1  # where a run of skips reaching the limit is
         loss = runner.train_step(st.iteration + 1)
         st.iteration += 1
-        st.consumed_samples += self.config.data.global_batch_size
+        st.consumed_samples += self.config.engine.batch.global_batch_size
         self.logger.throughput.tick(self.tokens_per_step)
         st.losses.append((st.iteration, loss, runner.grad_norm(), lr))
         z = runner.z_term()
@@ -163,7 +163,7 @@ class Trainer:
         st = self.state
         self.runner.skip_batches()
         st.iteration += 1
-        st.consumed_samples += self.config.data.global_batch_size
+        st.consumed_samples += self.config.engine.batch.global_batch_size
         self.monitor.line(f" iteration {st.iteration}: batches skipped (--iterations-to-skip)")
         if self._save_due(st.iteration):
             self.save()

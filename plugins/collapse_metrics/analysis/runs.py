@@ -144,12 +144,16 @@ def load_collapse_jsonl(path: str | os.PathLike[str]) -> CollapseRun:
 
 
 def _run_args(path: Path) -> dict[str, Any] | None:
-    """The run's flags from args.json (None when absent or unreadable: the label is then inferred)."""
+    """The run's model settings from args.json: its ``model`` section, or every flag by name in a run's
+    args.json from before the sections (no ``format``); None when absent or unreadable (the label is then
+    inferred)."""
     try:
         args = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return args if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    return args.get("model") if isinstance(args.get("model"), dict) else args
 
 
 def sub_table(run: CollapseRun, sub: str, field: str) -> np.ndarray:
