@@ -1,55 +1,168 @@
-"""The plugin interface: everything a plugin may import from megapost, and discovery through the
+"""The plugin interface: the one module of megapost a plugin imports, and discovery through the
 ``megapost.plugins`` entry-point group.
 
 The trainer never imports a plugin; it calls ``Plugin``'s methods at fixed points. On steps for which
 ``wants_step`` is False nothing else is called, so a plugin costs nothing there. A plugin sees the run
-through its ``PluginContext`` (the flags, read-only; model config, parallel layout, writers; once the
-trainer is built, this rank's parameters and the gradient part it owns, an lr-scale request, in-memory
-snapshot/restore), never the Trainer, the DeepSpeed engine or the parser's Namespace. The names
-re-exported below are the rest of megapost a plugin may use (import-linter holds ``collapse_metrics``
-to this module).
+through its ``PluginContext``: its own typed config (``Plugin.config_class``, parsed from the flags its
+``add_arguments`` registers), what it may know of the run (``RunInfo``), the rank's layout, and services
+given as protocols (dataset reader, collectives, the model's sublayers, the collapse law; once the trainer
+is built, parameters, owned gradients, lr scaling and in-memory rollback). It never sees the Trainer, the
+engine, megapost's model classes or the parser's Namespace. The implementations live in
+``megapost.train.plugin_services`` and ``megapost.train.plugin_binding``.
+
+Besides its own classes this module re-exports three names: ``ConfigError`` (a plugin's bad flag is one
+line, as megapost's) and the atomic writers ``atomic_path`` / ``atomic_write_text`` (import-linter's
+plugin contract names these two imports as its only exceptions).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from types import MappingProxyType
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from megapost.config.errors import ConfigError
-from megapost.data.gpt_dataset import GPTDataset, split_document_ranges
-from megapost.data.indexed_dataset import IndexedDataset
-from megapost.model import LlamaModel, ModelConfig, set_listener
-from megapost.model.init import matrix_std
-from megapost.model.rope import apply_rope_tables
-from megapost.optim import accessors
-from megapost.parallel.collectives import all_gather, all_reduce
-from megapost.parallel.state import ParallelState
-from megapost.study.boundary_law import Law, load_law, run_factors
 from megapost.utils.atomic import atomic_path, atomic_write_text
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "ConfigError", "Flags", "GPTDataset", "IndexedDataset", "Law", "LlamaModel",
-    "ModelConfig", "ParallelState", "Plugin", "PluginContext", "PluginServices", "all_gather", "all_reduce",
-    "apply_rope_tables", "atomic_path", "atomic_write_text", "available_plugins", "matrix_std",
-    "load_law", "plugin_classes", "run_factors", "set_listener", "split_document_ranges",
+    "ENTRY_POINT_GROUP", "CollapseLaw", "Collectives", "ConfigError", "DatasetReader", "ForwardProbes",
+    "InitModels", "Layout", "ModelView", "Plugin", "PluginContext", "RunInfo", "Services", "TrainerServices",
+    "atomic_path", "atomic_write_text", "available_plugins", "plugin_classes",
 ]
 
 ENTRY_POINT_GROUP = "megapost.plugins"
 
 
-class PluginServices(Protocol):
-    """What the trainer lends a bound ``PluginContext`` (megapost.train.plugin_binding)."""
+@dataclass(frozen=True)
+class RunInfo:
+    """What a plugin may know of the run, typed (from megapost's resolved config)."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # padded, as the model's
+    norm_position: str
+    seq_length: int
+    train_iters: int = 0
+    lr: float = 0.0
+    lr_warmup_iters: int = 0
+    zero_stage: int = 0  # as the engine runs it
+    bf16: bool = False
+    pipeline_model_parallel_size: int = 1
+
+
+class Layout(Protocol):
+    """This rank's place in the parallel layout (megapost.parallel.state.ParallelState)."""
+
+    tp_rank: int
+    dp_rank: int
+    world_size: int
+    sequence_parallel: bool
+    tp_group: Any
+
+    @property
+    def is_logging_rank(self) -> bool: ...
+
+    @property
+    def is_last_stage(self) -> bool: ...
+
+
+class Collectives(Protocol):
+    """Autograd-safe collectives over a process group (None: the world); the input on one rank."""
+
+    def sum(self, x: torch.Tensor, group: Any = None) -> torch.Tensor: ...
+
+    def max(self, x: torch.Tensor, group: Any = None) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """The ranks' ``x`` concatenated along dim 0, in rank order."""
+
+
+class DatasetReader(Protocol):
+    """The run's corpus (its first --data-path prefix): where it is and its train split's tokens."""
+
+    prefix: str | None  # None: no indexed dataset (e.g. a benchmark's own batches)
+    split: str
+    cache_dir: str | None
+
+    def train_tokens(self) -> np.ndarray:
+        """The train split's tokens, documents concatenated (a memory map: read it in chunks)."""
+
+
+@dataclass
+class ForwardProbes:
+    """One no-grad forward's internals a plugin may read: per layer the causal attention probabilities
+    [b, heads, s, s] (fp32), the LM head's input X^H, the logits and the head's weight."""
+
+    attention: list[torch.Tensor]
+    head_input: torch.Tensor
+    logits: torch.Tensor
+    head_weight: torch.Tensor
+
+
+class ModelView(Protocol):
+    """The model as a plugin needs it, without its classes: probes, blocks, placement facts."""
+
+    def listen(self, module: nn.Module, listener: Any) -> int:
+        """Attach ``listener`` (None: detach) to every probe under ``module``; returns their count. A
+        listener is called ``listener(name, **tensors)``: ("embed",) with x; ("layer", l, "attn"/"ffn")
+        with x, y (and out where the rule normalises the sum); ("head",) with x."""
+
+    def blocks(self, module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+        """(1-based layer number, block) of each transformer block under ``module``."""
+
+    def ffn_normalises_sum(self, layer: int) -> bool:
+        """Whether layer ``layer``'s FFN normalises its residual sum after the add (Post-Norm's rule)."""
+
+    def forward_probes(self, module: nn.Module, tokens: torch.Tensor) -> ForwardProbes:
+        """A no-grad forward of ``tokens`` [b, s] read at its attention and head."""
+
+
+class CollapseLaw(Protocol):
+    """The fitted collapse law (megapost.study.boundary_law) for this run."""
+
+    def load(self, path: str | None, flag: str) -> tuple[Any, str]:
+        """(law, where it came from), or (None, why there is none). A law has ``placement``, ``sigma`` and
+        ``predict(factors)`` (lr_star, interval, lr_at(p, sigma), extrapolated, not_modelled)."""
+
+    def run_factors(self) -> dict[str, float]:
+        """This run's factors (width, depth, warmup, tokens per step, ...) as the law reads them."""
+
+
+class InitModels(Protocol):
+    """Untrained models and real sequences for analyses at initialisation, outside a run (the plugin's
+    Stage I; megapost.train.plugin_services.InitModels)."""
+
+    def untrained_forward(self, cfg: Any, tokens: torch.Tensor, dtype: torch.dtype, listener: Any) -> None:
+        """The untrained model of ``cfg`` (megapost's ModelConfig) in ``dtype``, each sequence of ``tokens``
+        [S, n] through its embedding and blocks (no head, no grad), ``listener`` on its probes."""
+
+    def sequences(self, data_path: str, seq_length: int, count: int, seed: int = 1234) -> torch.Tensor:
+        """``count`` token sequences [count, seq_length] of an indexed dataset, cut and shuffled as
+        the trainer's dataset does."""
+
+
+@dataclass(frozen=True)
+class Services:
+    """What every plugin context offers from construction on."""
+
+    model: ModelView
+    collectives: Collectives
+    data: DatasetReader
+    law: CollapseLaw
+
+
+class TrainerServices(Protocol):
+    """What the trainer lends a bound context (megapost.train.plugin_binding), through its Engine."""
 
     def module(self) -> nn.Module: ...
 
-    def loss_scale(self) -> float: ...
+    def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
@@ -64,61 +177,26 @@ class PluginServices(Protocol):
     def optimizer_hyperparameters(self) -> dict[str, Any]: ...
 
 
-class Flags:
-    """Every parsed flag by dest (``Config.flags``: plugins' own included), read-only, by attribute
-    (``flags.collapse_interval``) or ``flags.get(dest, default)``; a copy, never the parser's Namespace."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
-
-    def __getattr__(self, name: str) -> Any:
-        values = object.__getattribute__(self, "_values")
-        try:
-            return values[name]
-        except KeyError:
-            raise AttributeError(f"no flag {name!r}") from None
-
-    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
-        return Flags, (dict(self._values),)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"flags are read-only (set {name!r})")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"flags are read-only (delete {name!r})")
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._values
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._values.get(name, default)
-
-    def __repr__(self) -> str:
-        return f"Flags({dict(self._values)!r})"
-
-
 @dataclass
 class PluginContext:
-    """What a plugin may use: the run's flags (read-only), model config, parallel layout and log sinks;
-    from the trainer (``bind``, before the first step) this rank's parameters and gradients, lr scaling
-    and in-memory rollback."""
+    """What a plugin may use: its own config, the run, this rank's layout, the services and log sinks;
+    from the trainer (``bind``, before the first step) parameters, gradients, lr scaling and rollback."""
 
-    flags: Flags
-    model_config: ModelConfig
-    parallel: ParallelState
-    tensorboard_dir: str | None
+    config: Any  # the plugin's own config_class instance (None without one)
+    run: RunInfo
+    parallel: Layout
+    services: Services
+    tensorboard_dir: str | None = None
     writer: Any = None  # torch.utils.tensorboard.SummaryWriter on the logging rank, else None
-    services: PluginServices | None = field(default=None, repr=False)
+    trainer: TrainerServices | None = field(default=None, repr=False)
 
-    def bind(self, services: PluginServices) -> None:
-        self.services = services
+    def bind(self, trainer: TrainerServices) -> None:
+        self.trainer = trainer
 
-    def _bound(self, what: str) -> PluginServices:
-        if self.services is None:
+    def _bound(self, what: str) -> TrainerServices:
+        if self.trainer is None:
             raise RuntimeError(f"PluginContext.{what}: no trainer bound yet (it is from the first step on)")
-        return self.services
+        return self.trainer
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by name (a pipeline stage's under PP; TP shards where split)."""
@@ -127,12 +205,8 @@ class PluginContext:
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """In ``before_optimizer_step``: the part of ``param``'s data-parallel-reduced gradient this rank
         owns (ZeRO partitions, TP shards; None when it owns none), so that sums of squares over all ranks
-        are exact under any layout. Still multiplied by ``loss_scale()``."""
-        return accessors.owned_grad(param, self.parallel.tp_rank, self.parallel.dp_rank)
-
-    def loss_scale(self) -> float:
-        """The fp16 loss scale the gradients carry before the step (1 otherwise, and when unbound)."""
-        return 1.0 if self.services is None else self.services.loss_scale()
+        are exact under any layout."""
+        return self._bound("owned_grad").owned_grad(param)
 
     def scale_lr(self, lr: float = 1.0, warmup: float = 1.0,
                  rewarm: tuple[int, int, float] | None = None) -> None:
@@ -146,12 +220,12 @@ class PluginContext:
         return self._bound("lr").lr()
 
     def optimizer_state(self, param: nn.Parameter) -> dict[str, Any]:
-        """The optimizer's per-parameter state (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``) where the
-        optimizer keeps it per module parameter (ZeRO-0 fp32); {} otherwise."""
+        """The optimizer's state of ``param`` shaped as it (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``)
+        where this rank keeps all of it (ZeRO-0 fp32); {} otherwise."""
         return self._bound("optimizer_state").optimizer_state(param)
 
     def optimizer_hyperparameters(self) -> dict[str, Any]:
-        """The first param group's hyperparameters (``betas``, ``eps``, ``weight_decay``, ``lr``)."""
+        """``betas``, ``eps``, ``weight_decay`` and the ``lr`` of the step about to run."""
         return self._bound("optimizer_hyperparameters").optimizer_hyperparameters()
 
     def snapshot(self) -> dict[str, Any]:
@@ -170,16 +244,17 @@ class Plugin:
 
     name = "plugin"
     loss_on_device = False  # True: on_step_end gets the loss as a 0-dim device tensor (no host read)
+    config_class: type | None = None  # a dataclass whose fields are the dests of add_arguments' flags
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Register the plugin's own flags (called before parsing)."""
+        """Register the plugin's own flags (called before parsing), in its own argument group."""
 
     def __init__(self, ctx: PluginContext) -> None:
         self.ctx = ctx
 
     def on_model_built(self, model: nn.Module) -> None:
-        """``model``: this rank's module (a pipeline stage under PP), before DeepSpeed wraps it."""
+        """``model``: this rank's module (a pipeline stage under PP), before the engine wraps it."""
 
     def wants_step(self, step: int) -> bool:
         return False

@@ -11,10 +11,14 @@ from typing import Any
 import torch
 from collapse_metrics.plugin import CollapseMetricsPlugin
 
+from megapost.config.resolved import plugin_config
 from megapost.model import LlamaModel, ModelConfig, lm_loss
 from megapost.model.norm import DyT, RMSNorm
+from megapost.optim import accessors
 from megapost.parallel.state import ParallelState
-from megapost.plugin_api import Flags, PluginContext
+from megapost.plugin_api import PluginContext, RunInfo
+from megapost.train.plugin_binding import bind_plugins
+from megapost.train.plugin_services import model_services
 
 Batch = dict[str, torch.Tensor]
 
@@ -31,11 +35,34 @@ def plugin_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def collapse_config(*argv: str) -> Any:
+    """The plugin's own typed config of ``argv`` (its flags only), as megapost builds it."""
+    return plugin_config(CollapseMetricsPlugin, plugin_args(*argv))
+
+
+def run_info(cfg: ModelConfig, **run: Any) -> RunInfo:
+    """What the plugin knows of a run of ``cfg`` (``run``: train_iters, lr, zero_stage, ...)."""
+    return RunInfo(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                   norm_position=cfg.norm_position, seq_length=cfg.seq_length, **run)
+
+
 def make_plugin(cfg: ModelConfig, *argv: str, pstate: ParallelState | None = None, tb_dir: str | None = None,
                 writer: Any = None) -> CollapseMetricsPlugin:
-    ctx = PluginContext(flags=Flags(vars(plugin_args(*argv))), model_config=cfg,
-                        parallel=pstate or ParallelState(), tensorboard_dir=tb_dir, writer=writer)
+    ctx = PluginContext(config=collapse_config(*argv), run=run_info(cfg), parallel=pstate or ParallelState(),
+                        services=model_services(cfg), tensorboard_dir=tb_dir, writer=writer)
     return CollapseMetricsPlugin(ctx)
+
+
+class TorchEngine:
+    """What the plugin reads of an Engine, for a plain torch model standing in for it on these ranks: its
+    module and the owned gradient (megapost.optim.accessors' rule: TP shards everywhere, replicas on TP
+    rank 0, a full data-parallel-reduced ``.grad`` on DP rank 0)."""
+
+    def __init__(self, module: torch.nn.Module, pstate: Any) -> None:
+        self.module, self.pstate = module, pstate
+
+    def owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        return accessors.owned_grad(param, self.pstate.tp_rank, self.pstate.dp_rank)
 
 
 def random_batches(cfg: ModelConfig, num: int, batch: int = 2, seed: int = 0) -> list[Batch]:
@@ -74,6 +101,8 @@ def run_step(plugin: CollapseMetricsPlugin, model: torch.nn.Module, step: int, b
         if on_grads is not None:
             on_grads()
         if wanted:
+            if plugin.ctx.trainer is None:  # the trainer binds it; here the plain model stands in
+                bind_plugins([plugin], TorchEngine(model, plugin.ctx.parallel))
             plugin.before_optimizer_step(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

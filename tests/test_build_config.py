@@ -22,8 +22,8 @@ from megapost.optim.ds_config import build_ds_config
 from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
 from megapost.optim.optimizer import build_optimizer
 from megapost.parallel.state import ParallelState
-from megapost.plugin_api import Flags, Plugin
 from megapost.train.build import build_plugins
+from megapost.train.manual_gc import ManualGC
 from megapost.train.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,17 +160,33 @@ def test_the_namespace_stops_at_the_composition_root(tmp_path) -> None:
                                          "import argparse (not to declare flags)"}
 
 
-def test_plugins_get_a_read_only_copy_of_the_resolved_flags(tiny_data) -> None:
-    prep = _prepare(tiny_data, "--bf16", "--manual-gc")
-    config = resolve(prep.args, prep.model, "cpu")
-    plugins = build_plugins([Plugin], config, ParallelState(), Monitor(None, enabled=False))
+def test_plugins_get_their_own_typed_config_and_the_run(tiny_data) -> None:
+    """A plugin's flags become its own frozen section (``Config.plugins``, from its ``config_class``); the
+    run reaches it typed (``RunInfo``, as resolved), never as the Namespace."""
+    prep = _prepare(tiny_data, "--bf16", "--manual-gc", "--manual-gc-interval", "7", "--plugins",
+                    "collapse_metrics", "--collapse-interval", "3")
+    config = resolve(prep.args, prep.model, "cpu", prep.plugin_classes)
+    plugins = build_plugins(prep.plugin_classes, config, ParallelState(), Monitor(None, enabled=False))
     try:
-        flags = plugins[0].ctx.flags
-        assert isinstance(flags, Flags) and plugins[1].ctx.flags is flags  # --manual-gc's plugin too
-        assert flags.zero_stage == 1 and flags.hidden_size == 64  # as resolved (the parse said 0)
-        with pytest.raises(AttributeError):
-            flags.hidden_size = 1
-        assert not any(isinstance(v, argparse.Namespace) for v in vars(plugins[0].ctx).values())
+        ctx = plugins[0].ctx
+        assert ctx.config is config.plugins["collapse_metrics"] and ctx.config.collapse_interval == 3
+        assert plugins[0].interval == 3
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            ctx.config.collapse_interval = 1  # type: ignore[misc]
+        assert ctx.run.zero_stage == 1 and ctx.run.bf16 and ctx.run.hidden_size == 64  # as resolved
+        assert isinstance(plugins[1], ManualGC) and plugins[1].interval == 7  # --manual-gc's plugin
+        assert not any(isinstance(v, argparse.Namespace) for v in vars(ctx).values())
     finally:
         for plugin in plugins:
             plugin.close()
+
+
+def test_a_plugins_config_class_is_its_own_flags() -> None:
+    """The collapse plugin's typed config has one field per flag of its argument group, no other."""
+    from collapse_metrics.plugin import CollapseMetricsPlugin
+
+    parser = argparse.ArgumentParser()
+    before = {a.dest for a in parser._actions}
+    CollapseMetricsPlugin.add_arguments(parser)
+    dests = {a.dest for a in parser._actions} - before
+    assert {f.name for f in dataclasses.fields(CollapseMetricsPlugin.config_class)} == dests

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from collapse_helpers import make_plugin, plugin_args, random_batches, run_step, small_config
+from collapse_helpers import collapse_config, make_plugin, random_batches, run_step, small_config
 from collapse_metrics import corpus
 from collapse_metrics.analysis.outcome import read_run, summarize
 from collapse_metrics.frequency import aggregated_frequency_loss, label_counts
@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megapost.data import IndexedDataset
 from megapost.data.gpt_dataset import split_document_ranges
 from megapost.model import LlamaModel
-from megapost.plugin_api import Flags
+from megapost.train.plugin_services import Corpus
 
 
 def _alarm_run(tiny_data, norm: str, out) -> tuple[list[dict], str]:
@@ -110,8 +110,8 @@ def test_at_init_counts_the_first_batch_once(tmp_path):
 
 
 def test_corpus_frequency_loss_is_the_train_split_and_cached(tiny_data, tmp_path, monkeypatch):
-    result = corpus.train_split_frequency_loss(tiny_data.prefix, "90,10,0", 32, tiny_data.vocab_size,
-                                               tmp_path)
+    data = Corpus(tiny_data.prefix, "90,10,0", str(tmp_path))
+    result = corpus.train_split_frequency_loss(data, 32, tiny_data.vocab_size)
     indexed = IndexedDataset(tiny_data.prefix)
     start, end = split_document_ranges(len(indexed), "90,10,0")[0]
     labels = np.concatenate([indexed[i] for i in range(start, end)])
@@ -123,17 +123,13 @@ def test_corpus_frequency_loss_is_the_train_split_and_cached(tiny_data, tmp_path
         raise AssertionError("recomputed instead of reading the cache")
 
     monkeypatch.setattr(corpus, "streaming_frequency_loss", no_stream)
-    assert corpus.train_split_frequency_loss(tiny_data.prefix, "90,10,0", 32, tiny_data.vocab_size,
-                                             tmp_path) == result
+    assert corpus.train_split_frequency_loss(data, 32, tiny_data.vocab_size) == result
 
 
 def test_heatmap_default_gives_a_short_run_a_few_images():
-    def flags(*argv: str, **more: int) -> Flags:  # what a plugin reads: PluginContext.flags
-        return Flags({**vars(plugin_args(*argv)), **more})
-
-    assert 20 // image_interval(flags("--collapse-interval", "10", train_iters=200)) >= 4  # tiny-cpu
-    assert 4000 // image_interval(flags("--collapse-interval", "10", train_iters=40000)) <= 6
-    assert image_interval(flags("--collapse-image-interval", "0")) == 0
+    assert 20 // image_interval(collapse_config("--collapse-interval", "10"), 200) >= 4  # tiny-cpu
+    assert 4000 // image_interval(collapse_config("--collapse-interval", "10"), 40000) <= 6
+    assert image_interval(collapse_config("--collapse-image-interval", "0"), 0) == 0
 
 
 def test_key_layers_are_first_quartiles_last():

@@ -81,13 +81,14 @@ def test_attention_entropy_is_that_of_the_causal_softmax(tiny_data, tmp_path):
     from collapse_metrics.autopsy import attention_entropy
 
     from megapost.model import LlamaModel, ModelConfig
+    from megapost.train.plugin_services import Model
 
     cfg = ModelConfig(vocab_size=64, num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                       seq_length=6, norm_position="post")
     model = LlamaModel(cfg)
     with torch.no_grad():  # zero queries: uniform causal attention, entropy mean_i log(i)
         model.layers[0].attention.wq.weight.zero_()
-    ent, norms = attention_entropy(model, torch.randint(0, 64, (2, 6)))
+    ent, norms = attention_entropy(Model(cfg), model, torch.randint(0, 64, (2, 6)))
     expected = sum(math.log(i) for i in range(1, 7)) / 6
     assert len(ent) == 1 and ent[0] == pytest.approx([expected, expected], abs=1e-5)
     assert norms["logit_norm"] > 0 and norms["head_weight_norm"] > 0 and norms["xh_norm"] > 0

@@ -13,6 +13,7 @@ import torch
 from collapse_helpers import make_plugin, random_batches, small_config
 from dist_utils import run_ranks
 
+from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
 from megapost.model import lm_loss
 from megapost.optim import hooks as optim_hooks
 from megapost.train.plugin_binding import bind_plugins
@@ -57,7 +58,9 @@ def train_configs() -> list[tuple[dict, dict]]:
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         reference = {}
 
-        bind_plugins([plugin], engine)  # the plugin reads gradients through its PluginContext
+        # the plugin reads gradients through its PluginContext, from the Engine protocol
+        bind_plugins([plugin], DeepSpeedEngine(engine, lm_loss, pipeline=False, tp_rank=pstate.tp_rank,
+                                               dp_rank=pstate.dp_rank))
 
         def before_step(plugin=plugin, reference=reference, model=model) -> None:
             plugin.before_optimizer_step(1)

@@ -17,7 +17,8 @@ from megapost.config.megatron_flags import CHOICES
 from megapost.config.resolved import resolve
 from megapost.optim.ds_config import build_ds_config
 from megapost.parallel.state import ParallelState
-from megapost.plugin_api import Flags, PluginContext, plugin_classes
+from megapost.plugin_api import plugin_classes
+from megapost.train.plugin_services import plugin_contexts
 from megapost.train.prepare import prepare
 
 # Values for flags whose type alone does not give a usable one.
@@ -94,8 +95,8 @@ def _resolved(argv: list[str], worlds: tuple[int, ...] = WORLD_SIZES) -> tuple[d
             sections["logging"].pop("megatron_notes")  # notes are judged as notes
             notes += sections["engine"].pop("reduce_notes")
             out[device] = {"resolved": sections, "deepspeed": build_ds_config(config.engine, prep.user_ds)}
-        out["plugins"] = [_plain(cls(PluginContext(Flags(config.flags), config.model, ParallelState(), None,
-                                                   None))) for cls in prep.plugin_classes]
+        contexts = plugin_contexts(prep.plugin_classes, config, ParallelState())
+        out["plugins"] = [_plain(cls(ctx)) for cls, ctx in zip(prep.plugin_classes, contexts, strict=True)]
         return out, notes
     assert error is not None
     raise error

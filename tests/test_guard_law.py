@@ -3,9 +3,12 @@ remedy that cannot change the run (warmup*F without a warmup) is refused in one 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
+from collapse_helpers import collapse_config, run_info
 from collapse_metrics.guard import Guard, check_guard_args
 from launch_utils import read_scalars
 from scipy.stats import norm
@@ -13,8 +16,8 @@ from test_collapse_guard import _guard, _records, _run, _split_at_rollback
 
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
-from megapost.plugin_api import Flags
-from megapost.study.boundary_law import FACTORS, Branch, Form, Law, save_law
+from megapost.study.boundary_law import FACTORS, Branch, Form, Law, run_factors, save_law
+from megapost.train import plugin_services
 
 SIGMA = 0.2
 COV = 1e-4  # diagonal
@@ -53,12 +56,19 @@ def test_the_law_remedy_rewarms_to_the_predicted_safe_peak(tiny_data, tmp_path):
     assert after[back + 2]["loss"] != before[back + 2]["loss"]
 
 
-def _flags(**kw) -> Flags:
-    return Flags({"collapse_guard": True, "zero_stage": 0, "bf16": False, "pipeline_model_parallel_size": 1,
-                  "collapse_guard_on": "alarm", "collapse_early_warning": False, "collapse_guard_interval": 2,
-                  "collapse_guard_retries": 1, "collapse_guard_remedy": "law", "collapse_guard_law": None,
-                  "norm_position": "post", "lr": 0.1, "lr_warmup_iters": 0, "global_batch_size": 4,
-                  "seq_length": 32, "train_iters": 12, "init_variance": "paper", **kw})
+MODEL = ModelConfig(vocab_size=256, num_layers=12, hidden_size=32, ffn_hidden_size=96, num_attention_heads=4,
+                    seq_length=32, init_variance="paper")
+
+
+def _guard_inputs(lr_warmup_iters: int = 0, **kw) -> tuple:
+    """(the plugin's config, the run, the law service) of a guarded run of MODEL."""
+    guarded = {"collapse_guard": True, "collapse_guard_interval": 2, "collapse_guard_retries": 1,
+               "collapse_guard_remedy": "law"}
+    flags = dataclasses.replace(collapse_config(), **{**guarded, **kw})
+    run = run_info(MODEL, train_iters=12, lr=0.1, lr_warmup_iters=lr_warmup_iters)
+    factors = run_factors(SimpleNamespace(lr_warmup_iters=lr_warmup_iters, global_batch_size=4, seq_length=32,
+                                          train_iters=12, init_variance="paper"), MODEL)
+    return flags, run, plugin_services.Law(factors)
 
 
 def test_the_law_remedy_reads_the_runs_factors(tmp_path):
@@ -68,9 +78,7 @@ def test_the_law_remedy_reads_the_runs_factors(tmp_path):
     law = Law(Branch(Form(("width", "depth")), [math.log(0.01), -0.1, -0.2], zero, 0.0),
               SIGMA, {f: [1.0, 1e6] for f in FACTORS}, {})
     save_law(tmp_path / "l.json", law)
-    model = ModelConfig(vocab_size=256, num_layers=12, hidden_size=32, ffn_hidden_size=96,
-                        num_attention_heads=4)
-    guard = Guard(_flags(collapse_guard_law=str(tmp_path / "l.json")), model)
+    guard = Guard(*_guard_inputs(collapse_guard_law=str(tmp_path / "l.json")))
     star = 0.01 * 32 ** -0.1 * 12 ** -0.2
     assert guard.safe_lr == pytest.approx(star * math.exp(norm.ppf(0.05) * SIGMA), rel=1e-6)
     assert f"lr* {star:.3g}" in guard.law_note
@@ -79,7 +87,7 @@ def test_the_law_remedy_reads_the_runs_factors(tmp_path):
 def test_a_remedy_that_cannot_change_the_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"--collapse-guard-remedy warmup\*2: stretches --lr-warmup-iters, "
                        "which is 0 here, so it cannot change the run; use rewarm or law"):
-        check_guard_args(_flags(collapse_guard_remedy="warmup*2"))
-    check_guard_args(_flags(collapse_guard_remedy="warmup*2", lr_warmup_iters=10))  # acts: accepted
+        check_guard_args(*_guard_inputs(collapse_guard_remedy="warmup*2"))
+    check_guard_args(*_guard_inputs(collapse_guard_remedy="warmup*2", lr_warmup_iters=10))  # acts: accepted
     with pytest.raises(ConfigError, match="was fitted for --norm-position pre, not post"):
-        check_guard_args(_flags(collapse_guard_law=str(_law_file(tmp_path, 0.01, placement="pre"))))
+        check_guard_args(*_guard_inputs(collapse_guard_law=str(_law_file(tmp_path, 0.01, placement="pre"))))

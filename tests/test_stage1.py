@@ -20,6 +20,10 @@ from collapse_metrics.analysis.stage1 import (
 from collapse_metrics.analysis.theory import attention_delta, ffn_delta, ffn_xi, intervention_delta
 
 from megapost.model import LlamaModel, ModelConfig
+from megapost.model.init import matrix_std
+from megapost.train.plugin_services import InitModels
+
+MODELS = InitModels()
 
 ROOT = Path(__file__).resolve().parents[1]
 N, D, F, L = 64, 64, 192, 4
@@ -66,7 +70,7 @@ def tokens() -> torch.Tensor:
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_recorded_tsim_matches_brute_force_and_theory(norm: str, tokens: torch.Tensor) -> None:
     cfg = small_config(norm, sublayer_init_multiplier=2.0)
-    meas = measure(cfg, tokens)
+    meas = measure(cfg, tokens, models=MODELS)
     ref = brute_activations(cfg, tokens)
     for sub in ("attn", "ffn"):
         for f in ("t_x", "t_y", "t_out", "x_fro_sq"):
@@ -91,7 +95,7 @@ def test_recorded_tsim_matches_brute_force_and_theory(norm: str, tokens: torch.T
 
 def test_prefix_alpha_prediction_uses_corollary(tokens: torch.Tensor) -> None:
     cfg = small_config("post", prefix_alpha=0.5)
-    meas = measure(cfg, tokens)
+    meas = measure(cfg, tokens, models=MODELS)
     pred = predicted_increments(cfg, meas)
     s = D * init_variances(cfg).sigma_w2(D)
     np.testing.assert_allclose(pred["attn"], intervention_delta(s, meas["attn"]["t_x"], N, 0.5), rtol=1e-10)
@@ -100,7 +104,7 @@ def test_prefix_alpha_prediction_uses_corollary(tokens: torch.Tensor) -> None:
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_alpha_one_removes_most_of_the_attention_increment(norm: str, tokens: torch.Tensor) -> None:
     cfg = small_config(norm, sublayer_init_multiplier=4.0)
-    total = {a: analyse(c, measure(c, tokens))["measured"]["total_attn_resid"]
+    total = {a: analyse(c, measure(c, tokens, models=MODELS))["measured"]["total_attn_resid"]
              for a, c in ((a, dataclasses.replace(cfg, prefix_alpha=a)) for a in (0.0, 1.0))}
     assert total[0.0] > 0.05
     assert abs(total[1.0]) < 0.2 * total[0.0]
@@ -160,7 +164,7 @@ def test_other_placements_are_measured_and_their_theory_is_null(tmp_path: Path) 
         assert not theory_applies(cfg)
         gen = torch.Generator().manual_seed(1)
         seqs = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
-        meas = measure(cfg, seqs)
+        meas = measure(cfg, seqs, models=MODELS)
         with torch.no_grad():
             _, acts = manual_forward(LlamaModel(cfg), seqs)
         for (layer, k), a in ((key, v) for key, v in acts.items() if isinstance(key, tuple)):
@@ -183,3 +187,18 @@ def test_other_placements_are_measured_and_their_theory_is_null(tmp_path: Path) 
             result = _jsonable({"config": dataclasses.asdict(cfg), "num_sequences": 2, "runs": [res]})
             png = plot_init_similarity(result, tmp_path / "fig1_mix.png")
             assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("scheme, scaled, multiplier", [("paper", True, 1.0), ("std", True, 3.0),
+                                                         ("std", False, 0.5), ("paper", False, 2.0)])
+def test_the_plugins_init_variances_are_megapost_s(scheme: str, scaled: bool, multiplier: float) -> None:
+    """The plugin owns the init-variance maths of its theory; it is the model's (matrix_std) exactly."""
+    cfg = ModelConfig(vocab_size=32, num_layers=6, hidden_size=24, ffn_hidden_size=40, num_attention_heads=4,
+                      init_variance=scheme, scaled_output_init=scaled, sublayer_init_multiplier=multiplier,
+                      init_method_std=0.03)
+    var = init_variances(cfg)
+    ours = (var.sigma_q2, var.sigma_k2, var.sigma_v2, var.sigma_o2, var.sigma_w1_2, var.sigma_w3_2,
+            var.sigma_w2_2, var.sigma_embed2)
+    roles = ("q", "k", "v", "wo", "w1", "w3", "w2", "embed")
+    # matrix_std returns the std: its square is the variance to the last bit or two
+    assert ours == pytest.approx(tuple(matrix_std(cfg, role) ** 2 for role in roles), rel=1e-14, abs=0)

@@ -40,6 +40,7 @@ from megapost.config.presets import PRESETS
 from megapost.data import SentencePieceTokenizer
 from megapost.model import ModelConfig
 from megapost.study.bisection import Bracket, fit_power_law, predict
+from megapost.train.plugin_services import Corpus
 from megapost.utils.atomic import atomic_write_text
 
 LADDER = ("llama-350m", "llama-760m", "llama-1.3b", "llama-3b", "llama-7b", "paper-180m")
@@ -250,8 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
         cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
-        freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab,
-                                          cache).aggregated
+        freq = train_split_frequency_loss(Corpus(args.data_path, args.split, str(cache)), args.seq_length,
+                                          vocab).aggregated
         points = start_brackets(args)
         args.pool = make_pool(args.engine, args.jobs, args.nice)
         args.rows, args.rows_lock = {}, threading.Lock()

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 from collapse_metrics.analysis.figures import plot_init_similarity, plot_prefix_alpha
-from collapse_metrics.analysis.stage1 import load_sequences, run_placement, write_json
+from collapse_metrics.analysis.stage1 import run_placement, write_json
 
 from megapost.data import SentencePieceTokenizer, prepare_default_data
 from megapost.model import ModelConfig
 from megapost.parallel.layout import padded_vocab_size
+from megapost.train.plugin_services import InitModels
 
 
 def floats(text: str) -> list[float]:
@@ -80,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_path, tokenizer_model = data_path or default_prefix, tokenizer_model or default_tok
     vocab = padded_vocab_size(SentencePieceTokenizer(tokenizer_model).vocab_size,
                               args.make_vocab_size_divisible_by)
-    tokens = load_sequences(data_path, args.seq_length, args.num_sequences, args.data_seed)
+    models = InitModels()
+    tokens = models.sequences(data_path, args.seq_length, args.num_sequences, args.data_seed)
     base = ModelConfig(vocab_size=vocab, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
                        seq_length=args.seq_length, init_variance=args.init_variance, seed=args.seed)
@@ -91,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         alphas = args.prefix_alpha_sweep if norm in args.alpha_norms.split(",") else []
         cfg = dataclasses.replace(base, norm_position=norm)
-        res = run_placement(cfg, tokens, args.multipliers, alphas, dtype)
+        res = run_placement(cfg, tokens, args.multipliers, alphas, dtype, models=models)
         res["data_path"], res["data_seed"] = data_path, args.data_seed
         res["wall_s"] = time.perf_counter() - start
         results[norm] = res

@@ -45,6 +45,7 @@ from megapost.config.errors import ConfigError
 from megapost.data import SentencePieceTokenizer
 from megapost.model.placements import PLACEMENTS
 from megapost.study.events import from_series
+from megapost.train.plugin_services import Corpus
 from megapost.utils.atomic import atomic_write_text
 
 
@@ -346,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     vocab = args.vocab = SentencePieceTokenizer(args.tokenizer_model).vocab_size
     cache = Path(os.path.dirname(os.path.abspath(args.data_path))) / "index-cache"
-    freq = train_split_frequency_loss(args.data_path, args.split, args.seq_length, vocab, cache).aggregated
+    freq = train_split_frequency_loss(Corpus(args.data_path, args.split, str(cache)), args.seq_length,
+                                      vocab).aggregated
     print(f"[sweep] frequency loss of the train split: {freq:.4f} nats", flush=True)
     cells = [Cell(v.name, d, lr, w, s) for d, lr, w, s, v in itertools.product(
         args.depths, args.lrs, args.warmups, args.seeds, args.variants)]

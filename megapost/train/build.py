@@ -46,12 +46,12 @@ from megapost.parallel import (
 from megapost.parallel.compile import compile_blocks
 from megapost.parallel.state import ParallelState
 from megapost.plan import planned_rank_peak
-from megapost.plugin_api import Flags, PluginContext
 from megapost.runtime import interrupts
 from megapost.runtime.cpu import bf16_note
 from megapost.runtime.distributed import init_distributed
 from megapost.runtime.run_dir import resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
+from megapost.train.plugin_services import plugin_contexts
 from megapost.train.prepare import Prepared
 from megapost.train.trainer import Trainer
 from megapost.utils import kill_points
@@ -85,13 +85,11 @@ def build_data(data: DataConfig, batch: BatchConfig, model: ModelConfig, pstate:
 
 
 def build_plugins(classes: Sequence[type], config: Config, pstate: Any, monitor: Monitor) -> list[Any]:
-    """The --plugins (and --manual-gc) plugins, each with its context: the flags (read-only), model,
-    layout and writers."""
-    flags = Flags(config.flags)
-    plugins = [cls(PluginContext(flags=flags, model_config=config.model, parallel=pstate,
-                                 tensorboard_dir=config.logging.tensorboard_dir, writer=monitor.writer))
-               for cls in classes]
-    return plugins + manual_gc_plugins(flags, config.model, pstate)
+    """The --plugins (and --manual-gc) plugins, each with its context (megapost.train.plugin_services):
+    its own typed config, the run, layout, services and writers."""
+    contexts = plugin_contexts(classes, config, pstate, monitor.writer)
+    plugins = [cls(ctx) for cls, ctx in zip(classes, contexts, strict=True)]
+    return plugins + manual_gc_plugins(config.runtime)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> WarmupDecaySchedule:
@@ -166,7 +164,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     planned = planned_rank_peak(model_cfg, config.engine.batch, run, pstate, ds_config)
     memory = PeakMemory(device, tracker, planned)
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
-                      peak.tflops, device, memory=memory, faults=faults)
+                      peak.tflops, device, memory=memory, faults=faults, schedule=ds.lr_scheduler)
     interrupts.PROGRESS.state = trainer.state
     skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),

@@ -7,17 +7,19 @@ CUDA device (megapost.config.megatron_habits)."""
 from __future__ import annotations
 
 import gc
-from typing import Any
 
-from megapost.plugin_api import Flags, Plugin, PluginContext
+from megapost.config.resolved import RuntimeConfig
+from megapost.plugin_api import Plugin
 
 
 class ManualGC(Plugin):
+    """A built-in plugin (no context: it needs only its interval)."""
+
     name = "manual_gc"
 
-    def __init__(self, ctx: PluginContext) -> None:
-        super().__init__(ctx)
-        self.interval = ctx.flags.manual_gc_interval
+    def __init__(self, interval: int) -> None:
+        self.ctx = None
+        self.interval = interval
         gc.disable()
         gc.collect()
         gc.freeze()
@@ -31,9 +33,6 @@ class ManualGC(Plugin):
         gc.enable()
 
 
-def manual_gc_plugins(flags: Flags, model_config: Any, pstate: Any) -> list[Plugin]:
+def manual_gc_plugins(runtime: RuntimeConfig) -> list[Plugin]:
     """``[ManualGC]`` under --manual-gc, else nothing."""
-    if not flags.manual_gc:
-        return []
-    return [ManualGC(PluginContext(flags=flags, model_config=model_config, parallel=pstate,
-                                   tensorboard_dir=None))]
+    return [ManualGC(runtime.manual_gc_interval)] if runtime.manual_gc else []

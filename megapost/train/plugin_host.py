@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from megapost.config.resolved import OptimizerConfig
+from megapost.engine import Engine
 from megapost.plugin_api import Plugin
 from megapost.train.plugin_binding import PluginBinding, bind_plugins
 
@@ -51,9 +53,11 @@ class PluginHost:
         self.active: list[Plugin] = []
         self.binding: PluginBinding | None = None
 
-    def bind(self, engine: Any, snapshot: Any, restore: Any) -> None:
-        """Lend every plugin's ``PluginContext`` the engine's reads and the trainer's rollback."""
-        self.binding = bind_plugins(self.plugins, engine, snapshot, restore)
+    def bind(self, engine: Engine, schedule: Any, optimizer: OptimizerConfig | None, snapshot: Any,
+             restore: Any) -> None:
+        """Lend every plugin's ``PluginContext`` the Engine's reads, the lr schedule and the trainer's
+        rollback."""
+        self.binding = bind_plugins(self.plugins, engine, schedule, optimizer, snapshot, restore)
 
     def wanting(self, step: int) -> list[Plugin]:
         return [p for p in self.plugins if p.wants_step(step)]

@@ -43,8 +43,10 @@ class Trainer:
                  pstate: ParallelState, train_iter_fn: Callable[[int], Iterator[Any]] | None,
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
                  monitor: Monitor, peak_tflops: float, device: torch.device,
-                 memory: PeakMemory | None = None, faults: FaultInjector = NO_FAULTS) -> None:
-        """``config``: the resolved sections the parts read."""
+                 memory: PeakMemory | None = None, faults: FaultInjector = NO_FAULTS,
+                 schedule: Any = None) -> None:
+        """``config``: the resolved sections the parts read; ``schedule``: the lr schedule the engine
+        steps (megapost.optim.schedule; plugins' lr requests rescale it)."""
         self.config, self.engine, self.pstate = config, engine, pstate
         self.monitor, self.device = monitor, device
         self.state = TrainState()
@@ -65,7 +67,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
                                              self.logger)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, faults)
-        self.host.bind(engine.ds, self.snapshot, self.restore)  # plugin services read DeepSpeed's engine
+        self.host.bind(engine, schedule, config.optimizer, self.snapshot, self.restore)  # through the Engine
 
     @property
     def plugins(self) -> list[Plugin]:

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megapost.plugin_api import ConfigError, Flags, PluginContext, apply_rope_tables
+from megapost.plugin_api import ConfigError, ModelView, PluginContext, RunInfo
+
+from .config import CollapseConfig
 
 
 def add_autopsy_arguments(g: argparse._ArgumentGroup) -> None:
@@ -47,14 +49,14 @@ def add_autopsy_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--collapse-autopsy-power-iters", type=int, default=5, metavar="N")
 
 
-def check_autopsy_args(flags: Flags, world: int) -> None:
+def check_autopsy_args(flags: CollapseConfig, run: RunInfo, world: int) -> None:
     if not flags.collapse_autopsy:
         return
     if flags.collapse_autopsy < 1 or flags.collapse_autopsy_hessian_every < 1 or \
             flags.collapse_autopsy_power_iters < 1:
         raise ConfigError("--collapse-autopsy, --collapse-autopsy-hessian-every and "
                           "--collapse-autopsy-power-iters must be >= 1")
-    if flags.zero_stage != 0 or flags.bf16 or world != 1:
+    if run.zero_stage != 0 or run.bf16 or world != 1:
         raise ConfigError("--collapse-autopsy: exact replay and the Hessian probe need one rank, "
                           "--zero-stage 0, fp32; drop --zero-stage/--bf16 or run on one process")
     if flags.collapse_guard:
@@ -68,52 +70,21 @@ def _layer_of(name: str) -> str:
     return f"layer{int(parts[parts.index('layers') + 1]) + 1}" if "layers" in parts else parts[0]
 
 
-def attention_entropy(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[list[list[float]], dict]:
-    """Per layer, per head: the causal attention's entropy (nats) on ``tokens``; plus norms of X^H,
-    the logits and the LM head weight (one no-grad forward with hooks)."""
-    entropies: list[list[float]] = []
-    hooks, norms = [], {}
-
-    def attn_hook(mod: Any, inputs: tuple, _out: Any) -> None:
-        x = inputs[0]
-        b, s, _ = x.shape
-        q = mod.wq(x).view(b, s, -1, mod.head_dim).transpose(1, 2)
-        k = mod.wk(x).view(b, s, -1, mod.head_dim).transpose(1, 2)
-        if mod.q_norm is not None:
-            q, k = mod.q_norm(q), mod.k_norm(k)
-        cos, signed_sin = mod._rope_tables(s, x.device, q.dtype)  # the attention's own cached tables
-        q, k = apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(mod.head_dim)
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), -math.inf)
-        p = scores.float().softmax(-1)
-        ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [b, h, s]
-        entropies.append(ent.mean(dim=(0, 2)).tolist())
-
-    def head_hook(mod: Any, inputs: tuple, out: torch.Tensor) -> None:
-        norms.update(xh_norm=float(inputs[0].norm(dim=-1).mean()) if mod.final_norm is None else math.nan,
-                     logit_norm=float(out.float().norm(dim=-1).mean()),
-                     head_weight_norm=float(mod.lm_head.weight.norm()))
-
-    def final_in(mod: Any, inputs: tuple, out: torch.Tensor) -> None:
-        norms["xh_norm"] = float(out.norm(dim=-1).mean())
-
-    for layer in model.layers:
-        hooks.append(layer.attention.register_forward_hook(attn_hook))
-    hooks.append(model.head.register_forward_hook(head_hook))
-    if model.head.final_norm is not None:
-        hooks.append(model.head.final_norm.register_forward_hook(final_in))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for h in hooks:
-            h.remove()
+def attention_entropy(view: ModelView, model: torch.nn.Module,
+                      tokens: torch.Tensor) -> tuple[list[list[float]], dict]:
+    """Per layer, per head: the causal attention's entropy (nats) on ``tokens``, mean over the batch and
+    the queries; plus norms of X^H, the logits and the LM head weight (one no-grad forward)."""
+    probes = view.forward_probes(model, tokens)
+    entropies = [(-(p * p.clamp_min(1e-30).log()).sum(-1)).mean(dim=(0, 2)).tolist()  # [b, h, s] -> h
+                 for p in probes.attention]
+    norms = {"xh_norm": float(probes.head_input.norm(dim=-1).mean()),
+             "logit_norm": float(probes.logits.float().norm(dim=-1).mean()),
+             "head_weight_norm": float(probes.head_weight.norm())}
     return entropies, norms
 
 
 class Autopsy:
-    def __init__(self, flags: Flags, out_dir: str | None) -> None:
+    def __init__(self, flags: CollapseConfig, out_dir: str | None) -> None:
         self.k = flags.collapse_autopsy
         self.hessian_every, self.power_iters = flags.collapse_autopsy_hessian_every, \
             flags.collapse_autopsy_power_iters
@@ -167,7 +138,8 @@ class Autopsy:
                 w[1] += float(self.before[n].pow(2).sum())
         rec["update_ratio"] = {k: math.sqrt(a / b) if b else None for k, (a, b) in upd.items()}
         rec["adam_v"] = self._second_moments(model, ctx)
-        ent, norms = attention_entropy(model, self.probe["tokens"].to(next(model.parameters()).device))
+        tokens = self.probe["tokens"].to(next(model.parameters()).device)
+        ent, norms = attention_entropy(ctx.services.model, model, tokens)
         rec["attn_entropy"] = ent
         rec.update(norms)
         if (step - self.window[0]) % self.hessian_every == 1 % self.hessian_every:

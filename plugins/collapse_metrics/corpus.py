@@ -13,21 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from megapost.plugin_api import IndexedDataset, atomic_write_text, split_document_ranges
+from megapost.plugin_api import DatasetReader, atomic_write_text
 
 from .frequency import FrequencyLossResult, streaming_frequency_loss
 
 CHUNK_TOKENS = 1 << 22
-
-
-def _train_tokens(indexed: IndexedDataset, split: str) -> np.ndarray:
-    start, end = split_document_ranges(len(indexed), split)[0]
-    if end <= start:
-        return indexed.tokens[:0]
-    item = indexed.dtype.itemsize
-    lo = int(indexed.sequence_pointers[start]) // item
-    hi = int(indexed.sequence_pointers[end - 1]) // item + int(indexed.sequence_lengths[end - 1])
-    return indexed.tokens[lo:hi]
 
 
 def _chunks(tokens: np.ndarray) -> Iterator[np.ndarray]:
@@ -43,16 +33,16 @@ def cache_path(prefix: str, split: str, seq_length: int, cache_dir: str | os.Pat
     return Path(cache_dir) / f"{Path(prefix).name}-freq-{digest}.json"
 
 
-def train_split_frequency_loss(prefix: str, split: str, seq_length: int, vocab_size: int,
-                               cache_dir: str | os.PathLike[str] | None) -> FrequencyLossResult:
-    """Aggregated and per-sequence (``seq_length`` labels) frequency loss of the train split."""
+def train_split_frequency_loss(data: DatasetReader, seq_length: int, vocab_size: int) -> FrequencyLossResult:
+    """Aggregated and per-sequence (``seq_length`` labels) frequency loss of ``data``'s train split."""
+    prefix, split, cache_dir = data.prefix, data.split, data.cache_dir
     path = cache_path(prefix, split, seq_length, cache_dir) if cache_dir else None
     if path is not None and path.is_file():
         try:
             return FrequencyLossResult(**json.loads(path.read_text(encoding="utf-8")))
         except (ValueError, TypeError):
             pass  # unreadable: recompute and overwrite
-    tokens = _train_tokens(IndexedDataset(prefix), split)
+    tokens = data.train_tokens()
     result = streaming_frequency_loss(_chunks(tokens), vocab_size, seq_len=seq_length)
     if path is not None:
         atomic_write_text(path, json.dumps(asdict(result)))

@@ -24,13 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megapost.plugin_api import ModelView
+
 DEFAULT_FACTOR = 4.0
 
 
-def early_warning_applies(cfg: Any, layers: Sequence[int]) -> bool:
-    """Whether the rule reads the Post-Norm mechanism under ``cfg`` (a ModelConfig): the FFN of the deepest
-    measured layer normalises its residual sum after the add."""
-    return bool(layers) and cfg.rules(max(layers))[1].post_norm
+def early_warning_applies(model: ModelView, layers: Sequence[int]) -> bool:
+    """Whether the rule reads the Post-Norm mechanism of ``model``: the FFN of the deepest measured layer
+    normalises its residual sum after the add."""
+    return bool(layers) and model.ffn_normalises_sum(max(layers))
 
 
 def deepest_resid_norm(records: list[dict[str, Any]]) -> float | None:

@@ -17,7 +17,7 @@ single reduction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,23 +38,17 @@ def group_of(name: str) -> str:
     return SUBLAYER_GROUP.get(parts[0], "other")
 
 
-def transformer_blocks(module: nn.Module) -> Iterator[nn.Module]:
-    """Modules that are transformer blocks: an int ``layer_number`` and a ``probe_attn``."""
-    for m in module.modules():
-        if isinstance(getattr(m, "layer_number", None), int) and hasattr(m, "probe_attn"):
-            yield m
-
-
 class LayerParameters:
     """The trainable parameters of the selected layers (``rows``: layer number -> table row) and the
     table indices their squared gradient norms go to, cached on the table's device."""
 
-    def __init__(self, module: nn.Module, rows: dict[int, int]) -> None:
+    def __init__(self, blocks: Iterable[tuple[int, nn.Module]], rows: dict[int, int]) -> None:
+        """``blocks``: (layer number, block) of the module's transformer blocks (``ModelView.blocks``)."""
         self.params: list[nn.Parameter] = []
         self.rows: list[int] = []
         self.groups: list[str] = []
-        for block in transformer_blocks(module):
-            row = rows.get(block.layer_number)
+        for layer_number, block in blocks:
+            row = rows.get(layer_number)
             if row is None:
                 continue
             for name, param in block.named_parameters():

@@ -26,7 +26,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megapost.plugin_api import ConfigError, Flags, Law, ModelConfig, PluginContext, load_law, run_factors
+from megapost.plugin_api import CollapseLaw, ConfigError, PluginContext, RunInfo
+
+from .config import CollapseConfig
 
 REMEDY = re.compile(r"^(?:(lr|warmup)\*([0-9.eE+-]+)|(warmup)|(skip)|(law)|"
                     r"(?:rewarm|warmup-restart)(?:\*([0-9.eE+-]+)(?:/([0-9]+))?)?)$")
@@ -78,10 +80,10 @@ class Remedy:
                           "rewarm[*F[/W]] with 0 < F <= 1, law, or skip")
 
 
-def check_guard_args(flags: Flags) -> None:
+def check_guard_args(flags: CollapseConfig, run: RunInfo, laws: CollapseLaw) -> None:
     if not flags.collapse_guard:
         return
-    if flags.zero_stage != 0 or flags.bf16 or flags.pipeline_model_parallel_size > 1:
+    if run.zero_stage != 0 or run.bf16 or run.pipeline_model_parallel_size > 1:
         raise ConfigError("--collapse-guard: in-memory snapshots are exact only for --zero-stage 0 in fp32 "
                           "without pipeline parallelism; drop --zero-stage/--bf16/"
                           "--pipeline-model-parallel-size or the guard")
@@ -90,33 +92,33 @@ def check_guard_args(flags: Flags) -> None:
     if flags.collapse_guard_interval < 1 or flags.collapse_guard_retries < 0:
         raise ConfigError("--collapse-guard-interval must be >= 1 and --collapse-guard-retries >= 0")
     remedy = Remedy.parse(flags.collapse_guard_remedy)
-    if remedy.kind == "warmup" and not flags.lr_warmup_iters:
+    if remedy.kind == "warmup" and not run.lr_warmup_iters:
         raise ConfigError(f"--collapse-guard-remedy {flags.collapse_guard_remedy}: stretches "
                           "--lr-warmup-iters, which is 0 here, so it cannot change the run; use rewarm or "
                           "law (re-warm from the rollback point)")
     if remedy.kind == "law":
-        guard_law(flags)
+        guard_law(flags, run, laws)
 
 
-def guard_law(flags: Flags) -> tuple[Law, str]:
+def guard_law(flags: CollapseConfig, run: RunInfo, laws: CollapseLaw) -> tuple[Any, str]:
     """The law remedy's fit (one-line error when there is none or it is for another placement)."""
-    law, source = load_law(flags.collapse_guard_law, "--collapse-guard-law")
+    law, source = laws.load(flags.collapse_guard_law, "--collapse-guard-law")
     if law is None:
         raise ConfigError(f"--collapse-guard-remedy law: {source}")
-    if law.placement != flags.norm_position:
+    if law.placement != run.norm_position:
         raise ConfigError(f"--collapse-guard-remedy law: {source} was fitted for --norm-position "
-                          f"{law.placement}, not {flags.norm_position}")
+                          f"{law.placement}, not {run.norm_position}")
     return law, source
 
 
 class Guard:
-    def __init__(self, flags: Flags, model: ModelConfig) -> None:
-        self.flags, self.on = flags, flags.collapse_guard_on
+    def __init__(self, flags: CollapseConfig, run: RunInfo, laws: CollapseLaw) -> None:
+        self.flags, self.run, self.on = flags, run, flags.collapse_guard_on
         self.remedy = Remedy.parse(flags.collapse_guard_remedy)
         self.law_note, self.safe_lr = "", None
         if self.remedy.kind == "law":
-            law, source = guard_law(flags)
-            pred = law.predict(run_factors(flags, model))
+            law, source = guard_law(flags, run, laws)
+            pred = law.predict(laws.run_factors())
             self.safe_lr = pred.lr_at(LAW_SAFE_P, law.sigma)
             self.law_note = (f" (the law's P(collapse) = {LAW_SAFE_P:g} peak here: lr* {pred.lr_star:.3g} "
                              f"[{pred.interval[0]:.3g}, {pred.interval[1]:.3g}], {source}"
@@ -156,7 +158,7 @@ class Guard:
         elif self.remedy.kind == "warmup":
             self.warmup_scale *= self.remedy.factor
         elif self.remedy.kind == "law" and self.safe_lr is not None:
-            now = self.flags.lr * self.lr_scale
+            now = self.run.lr * self.lr_scale
             self.lr_scale *= self.safe_lr / now if now > self.safe_lr else 0.5
         counters = self.state_dict()
         ctx.restore(snap["trainer"], skip_data=self.remedy.kind == "skip")
@@ -164,11 +166,11 @@ class Guard:
         self.load_state_dict(counters)
         back = snap["trainer"]["iteration"]
         if self.remedy.kind in ("rewarm", "law"):
-            steps = self.remedy.steps or self.flags.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
+            steps = self.remedy.steps or self.run.lr_warmup_iters or REWARM_STEPS_NO_WARMUP
             steps *= 2 ** (self.rollbacks - 1)  # the same ramp again would replay the same failure
             self.rewarm = (back, steps, self.remedy.factor)
         self._request_schedule(ctx)
-        a, remedy = self.flags, self.flags.collapse_guard_remedy
+        a, remedy = self.run, self.flags.collapse_guard_remedy
         lr, warmup = a.lr * self.lr_scale, round(a.lr_warmup_iters * self.warmup_scale)  # as the schedule
         return {"event": event, "step": iteration, "to_step": back, "rollback": self.rollbacks,
                 "remedy": remedy, "lr": lr, "warmup": warmup,

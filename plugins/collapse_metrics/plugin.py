@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapost.plugin_api import Flags, Plugin, PluginContext, set_listener
+from megapost.plugin_api import DatasetReader, Plugin, PluginContext
 
 from .autopsy import Autopsy, add_autopsy_arguments, check_autopsy_args
+from .config import CollapseConfig
 from .corpus import train_split_frequency_loss
 from .early_warning import DEFAULT_FACTOR, EarlyWarning, deepest_resid_norm, early_warning_applies
 from .frequency import RunningFrequencyLoss
@@ -51,24 +52,20 @@ from .writers import Writers
 HEATMAP_IMAGES = 5
 
 
-def image_interval(flags: Flags) -> int:
+def image_interval(flags: CollapseConfig, train_iters: int) -> int:
     """``--collapse-image-interval``, or by default about HEATMAP_IMAGES images over the run."""
     if flags.collapse_image_interval is not None:
         return flags.collapse_image_interval
-    measured = max(1, flags.get("train_iters", 0) or 0) // flags.collapse_interval
+    measured = max(1, train_iters or 0) // flags.collapse_interval
     return max(1, round(measured / HEATMAP_IMAGES))
 
 
-def corpus_frequency_loss(flags: Flags, vocab_size: int) -> float | None:
+def corpus_frequency_loss(data: DatasetReader, seq_length: int, vocab_size: int) -> float | None:
     """The train split's frequency loss (``corpus.py``, cached beside the index cache), printed once;
     None without a --data-path dataset."""
-    prefix = flags.get("data_path", None)
-    if not prefix or not os.path.isfile(f"{prefix}.idx"):
+    if not data.prefix or not os.path.isfile(f"{data.prefix}.idx"):
         return None
-    cache = flags.get("data_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(prefix)),
-                                                                  "index-cache")
-    result = train_split_frequency_loss(prefix, flags.get("split", "969,30,1"), flags.seq_length,
-                                        vocab_size, cache)
+    result = train_split_frequency_loss(data, seq_length, vocab_size)
     print(f"[collapse] frequency loss of the train split: {result.aggregated:.4f} nats "
           f"({result.num_tokens:,} labels; per sequence {result.per_sequence:.4f})", flush=True)
     return result.aggregated
@@ -77,6 +74,7 @@ def corpus_frequency_loss(flags: Flags, vocab_size: int) -> float | None:
 class CollapseMetricsPlugin(Plugin):
     name = "collapse_metrics"
     loss_on_device = True  # on_step_end gets the loss as a device tensor: no host read in the step
+    config_class = CollapseConfig  # its flags, typed (config.py)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -117,12 +115,12 @@ class CollapseMetricsPlugin(Plugin):
 
     def __init__(self, ctx: PluginContext) -> None:
         super().__init__(ctx)
-        flags, cfg, ps = ctx.flags, ctx.model_config, ctx.parallel
+        flags, run, ps, services = ctx.config, ctx.run, ctx.parallel, ctx.services
         if flags.collapse_interval < 1:
             raise ValueError(f"--collapse-interval must be >= 1, got {flags.collapse_interval}")
         self.interval, self.at_init = flags.collapse_interval, flags.collapse_at_init
-        self.layers = parse_layers(flags.collapse_layers, cfg.num_layers)
-        self.vocab_size = cfg.vocab_size
+        self.layers = parse_layers(flags.collapse_layers, run.num_layers)
+        self.vocab_size = run.vocab_size
         self.listens = ps.sequence_parallel or ps.tp_rank == 0
         self.counts_labels = ps.is_last_stage and ps.tp_rank == 0
         self.detector = TransitionDetector(TransitionConfig(
@@ -130,25 +128,27 @@ class CollapseMetricsPlugin(Plugin):
             min_tsim_rise=flags.collapse_transition_min_tsim_rise,
             min_loss_rise=flags.collapse_transition_min_loss_rise, warmup=flags.collapse_transition_warmup))
         self.state = CollapseState(StateConfig(flags.collapse_state_tsim, flags.collapse_state_grad_ratio))
-        armed = early_warning_applies(cfg, self.layers)
+        armed = early_warning_applies(services.model, self.layers)
         self.warning = (EarlyWarning(flags.collapse_early_warning_factor)
                         if flags.collapse_early_warning and armed else None)
         if flags.collapse_early_warning and self.warning is None and ps.is_logging_rank:
-            print(f"[collapse] early warning off: under --norm-position {cfg.norm_position} the residual sum "
+            print(f"[collapse] early warning off: under --norm-position {run.norm_position} the residual sum "
                   f"of layer {max(self.layers)} is not normalised after the add, so it grows by design (the "
                   "warning reads the Post-Norm mechanism; docs/placements.md)", flush=True)
-        check_guard_args(flags)
-        self.guard = Guard(flags, cfg) if flags.collapse_guard else None
-        check_autopsy_args(flags, ps.world_size)
+        check_guard_args(flags, run, services.law)
+        self.guard = Guard(flags, run, services.law) if flags.collapse_guard else None
+        check_autopsy_args(flags, run, ps.world_size)
         self.autopsy = Autopsy(flags, ctx.tensorboard_dir) if flags.collapse_autopsy else None
         self.guard_event: tuple[int, str] | None = None  # (step, event) for the guard's after_iteration
         self.autopsy_event: int | None = None
-        self.running = RunningFrequencyLoss(cfg.vocab_size)
+        self.running = RunningFrequencyLoss(run.vocab_size)
         self.init_counted = False  # step 0 measured the first batch, which step 1 trains on again
-        self.step_labels = RunningFrequencyLoss(cfg.vocab_size)
-        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, image_interval(flags))
+        self.step_labels = RunningFrequencyLoss(run.vocab_size)
+        images = image_interval(flags, run.train_iters)
+        self.writers = (Writers(ctx.writer, ctx.tensorboard_dir, self.layers, images)
                         if ps.is_logging_rank else None)
-        self.freq_corpus = corpus_frequency_loss(flags, cfg.vocab_size) if ps.is_logging_rank else None
+        self.freq_corpus = (corpus_frequency_loss(services.data, run.seq_length, run.vocab_size)
+                            if ps.is_logging_rank else None)
         self.model: nn.Module | None = None
         self.buf: StatsBuffer | None = None
         self.recorder: Recorder | None = None
@@ -184,7 +184,7 @@ class CollapseMetricsPlugin(Plugin):
         self.recorder.begin_step()
         self.step_labels.reset()
         if self.listens:
-            set_listener(model, self.recorder)
+            self.ctx.services.model.listen(model, self.recorder)
 
     def on_micro_batch(self, step: int, batch: dict[str, Any]) -> None:
         if self.counts_labels:
@@ -195,17 +195,18 @@ class CollapseMetricsPlugin(Plugin):
     def before_optimizer_step(self, step: int) -> None:
         module = self.model  # the module on_step_begin listened to
         if self.params is None or self.params_of is not module:
-            self.params, self.params_of = LayerParameters(module, self.buf.row), module
-        self.params.add_squared_norms(self.buf["grad"], self.ctx.owned_grad, self.ctx.loss_scale())
+            blocks = self.ctx.services.model.blocks(module)
+            self.params, self.params_of = LayerParameters(blocks, self.buf.row), module
+        self.params.add_squared_norms(self.buf["grad"], self.ctx.owned_grad)
         if self.autopsy is not None:
             self.autopsy.before_optimizer_step(step, module)
 
     def on_step_end(self, step: int, loss: float | torch.Tensor | None) -> None:
-        set_listener(self.model, None)
-        ps, buf = self.ctx.parallel, self.buf
+        self.ctx.services.model.listen(self.model, None)
+        ps, buf, comm = self.ctx.parallel, self.buf, self.ctx.services.collectives
         partials = self.recorder.end_step()
         if partials is not None:
-            summed = sum_over_group(partials, ps.tp_group)
+            summed = sum_over_group(comm, partials, ps.tp_group)
             if ps.tp_rank == 0:
                 self.recorder.finish_sequence_parallel(summed)
         labels = self.step_labels
@@ -216,7 +217,7 @@ class CollapseMetricsPlugin(Plugin):
             value = torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
             buf["loss"][0].copy_(value, non_blocking=True)
             buf["loss"][1].fill_(1.0)
-        self.read_backs.append(ReadBack(step, reduce_buffer(buf)))
+        self.read_backs.append(ReadBack(step, reduce_buffer(comm, buf)))
         if not self.defer:
             self.read_pending()
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapost.plugin_api import all_reduce
+from megapost.plugin_api import Collectives
 
 from .table import StatsBuffer
 
@@ -27,21 +27,20 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def sum_over_group(x: torch.Tensor, group: Any) -> torch.Tensor:
+def sum_over_group(comm: Collectives, x: torch.Tensor, group: Any) -> torch.Tensor:
     """Elementwise sum of ``x`` over ``group`` (x itself when there is no group)."""
     if group is None or not distributed() or dist.get_world_size(group=group) == 1:
         return x
-    return all_reduce(x, group)
+    return comm.sum(x, group)
 
 
-def reduce_buffer(buf: StatsBuffer, group: Any = None) -> torch.Tensor:
+def reduce_buffer(comm: Collectives, buf: StatsBuffer, group: Any = None) -> torch.Tensor:
     """The flat buffer combined over ``group`` (default: the world), on its device: sums summed, the
     max parts maxed (two all-reduces; none on one rank)."""
     if not distributed():
         return buf.flat
     split = buf.max_start
-    return torch.cat([all_reduce(buf.flat[:split], group),
-                      all_reduce(buf.flat[split:], group, dist.ReduceOp.MAX)])
+    return torch.cat([comm.sum(buf.flat[:split], group), comm.max(buf.flat[split:], group)])
 
 
 class ReadBack:

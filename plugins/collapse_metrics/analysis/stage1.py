@@ -42,34 +42,31 @@ from collapse_metrics.analysis.theory import (
     predicted_tsim_curve,
 )
 from collapse_metrics.similarity import sequence_partials, tsim_from_partials
-from megapost.plugin_api import (
-    GPTDataset,
-    IndexedDataset,
-    LlamaModel,
-    ModelConfig,
-    atomic_path,
-    matrix_std,
-    set_listener,
-)
+from megapost.plugin_api import InitModels, atomic_path
+
+ModelConfig = Any  # megapost's ModelConfig (a frozen dataclass: ``dataclasses.replace`` works on it)
 
 SUBLAYERS = ("attn", "ffn")
 FIELDS = ("t_x", "t_y", "t_out", "x_fro_sq", "y_fro_sq")
 BANDS = 4  # layer bands for the measured/predicted summary (1-12, 13-24, ... at 48 layers)
 
 
-def load_sequences(data_path: str, seq_length: int, num_sequences: int, seed: int = 1234) -> torch.Tensor:
-    """``num_sequences`` real token sequences [S, n] from an indexed dataset (documents concatenated and
-    cut as the trainer's GPTDataset does, shuffled with ``seed``)."""
-    indexed = IndexedDataset(data_path)
-    ds = GPTDataset(indexed, np.arange(len(indexed)), num_sequences, seq_length, seed, name="stage1")
-    return torch.from_numpy(np.stack([ds[i]["tokens"][:seq_length] for i in range(num_sequences)]))
-
-
 def init_variances(cfg: ModelConfig) -> InitVariances:
-    """Entry variances exactly as megapost.model.init draws them (any scheme, any multiplier)."""
-    var = {role: matrix_std(cfg, role) ** 2 for role in ("qkv", "wo", "w1", "w2", "w3", "embed")}
-    return InitVariances(var["qkv"], var["qkv"], var["qkv"], var["wo"], var["w1"], var["w3"], var["w2"],
-                         var["embed"])
+    """Entry variances of megapost's init (megapost.model.init.matrix_std: any scheme, any multiplier;
+    tests/test_stage1.py holds the two equal): --init-variance paper 1/(3d) (W_2: 1/(3 d_ff)), else
+    --init-method-std^2 (W_O, W_2 over 2L with --scaled-output-init); sublayer matrices times
+    --init-sublayer-multiplier."""
+    def var(role: str) -> float:
+        if cfg.init_variance == "paper":
+            v = 1.0 / (3 * (cfg.ffn_hidden_size if role == "w2" else cfg.hidden_size))
+        else:
+            v = cfg.init_method_std ** 2
+            if cfg.scaled_output_init and role in ("wo", "w2"):
+                v /= 2.0 * cfg.num_layers
+        return v if role == "embed" else v * cfg.sublayer_init_multiplier
+
+    return InitVariances(var("qkv"), var("qkv"), var("qkv"), var("wo"), var("w1"), var("w3"), var("w2"),
+                         var("embed"))
 
 
 def _stats(t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,18 +108,13 @@ class ProbeRecorder:
         return out
 
 
-@torch.no_grad()
-def measure(cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def measure(cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+            models: InitModels) -> dict[str, Any]:
     """Forward-only pass of the untrained model over ``tokens`` [S, n], one sequence at a time (the LM
     head is skipped); returns ProbeRecorder.arrays plus the wall time."""
     start = time.perf_counter()
-    model = LlamaModel(cfg).to(dtype).eval()
     recorder = ProbeRecorder()
-    set_listener(model, recorder)
-    for seq in tokens:
-        x = model.embedding(seq[None])
-        for layer in model.layers:
-            x = layer(x)
+    models.untrained_forward(cfg, tokens, dtype, recorder)
     out = recorder.arrays(cfg.num_layers)
     out["runtime_s"] = time.perf_counter() - start
     return out
@@ -241,7 +233,7 @@ def analyse(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, Any]:
 
 def run_placement(base: ModelConfig, tokens: torch.Tensor, multipliers: Sequence[float],
                   alphas: Sequence[float] = (), dtype: torch.dtype = torch.float32,
-                  log: Any = print) -> dict[str, Any]:
+                  log: Any = print, *, models: InitModels) -> dict[str, Any]:
     """The multiplier sweep (alpha = base.prefix_alpha) and, if ``alphas``, the prefix-alpha sweep
     (multiplier 1) for one norm placement."""
     done: dict[tuple[float, float], dict[str, Any]] = {}
@@ -251,7 +243,7 @@ def run_placement(base: ModelConfig, tokens: torch.Tensor, multipliers: Sequence
         key = (cfg.sublayer_init_multiplier, cfg.prefix_alpha)
         if key in done:
             return done[key]
-        res = done[key] = analyse(cfg, measure(cfg, tokens, dtype))
+        res = done[key] = analyse(cfg, measure(cfg, tokens, dtype, models=models))
         log(f"{cfg.norm_position}-norm multiplier {cfg.sublayer_init_multiplier:g} alpha "
             f"{cfg.prefix_alpha:g}: {res['runtime_s']:.1f} s, sum of attention increments "
             f"{res['measured']['total_attn_resid']:.4f}")
