@@ -7,7 +7,7 @@ Each layout trains the same model and global batch through the DeepSpeed engine 
 TP*PP*DP gloo ranks. Step time is the slowest rank's, median over the steps after the first, and
 is shown relative to 1x1x1 (on a machine with fewer cores than ranks it measures contention too).
 Bytes are per optimizer step summed over all ranks: tensor-parallel mappings are counted by
-``megapost.parallel.collectives.COMM_STATS``, everything DeepSpeed sends (data-parallel gradient and
+``megapost.parallel.collectives.counting_comm``, everything DeepSpeed sends (data-parallel gradient and
 ZeRO parameter traffic, pipeline sends, DeepSpeed's pipe-partition gathers over TP, loss
 broadcasts) by wrapping ``torch.distributed`` before DeepSpeed starts. The payload convention is
 the full tensor of each call (the all-reduced tensor, the gathered output, the reduce-scattered
@@ -61,17 +61,18 @@ def _nbytes(value: Any) -> int:
 
 def install_counters() -> None:
     """Wrap torch.distributed's collectives (in each rank, before DeepSpeed captures them) to count
-    the bytes of calls not made by megapost's own mappings, while COMM_STATS is enabled."""
+    the bytes of calls not made by megapost's own mappings, while the counting block counts."""
     import torch.distributed as dist
 
-    from megapost.parallel.collectives import COMM_STATS
+    from megapost.parallel.collectives import active_counter
 
     def wrap(op: str, fn: Any) -> Any:
         key, pos = _PAYLOAD_ARG[op]
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if COMM_STATS.enabled and caller != "megapost.parallel.collectives":
+            counter = active_counter()  # train_layout's counting block
+            if counter is not None and counter.enabled and caller != "megapost.parallel.collectives":
                 DS_BYTES[op] += _nbytes(kwargs[key] if key in kwargs else args[pos])
             return fn(*args, **kwargs)
 

@@ -22,21 +22,25 @@ from megapost.train.prepare import prepare
 from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
-def run(argv: Sequence[str], faults: FaultInjector = NO_FAULTS) -> dict[str, Any]:
+def run(argv: Sequence[str], faults: FaultInjector = NO_FAULTS,
+        progress: interrupts.Progress | None = None) -> dict[str, Any]:
     """Parse, validate, build and train; returns the loss history (used by tests). With
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
     log line shows the measured peak beside the planner's prediction (slower; for CPU checks). A bare
     ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py). ``faults``:
-    a test harness's (tests/fault_pretrain.py), none in production."""
+    a test harness's (tests/fault_pretrain.py), none in production; ``progress``: the run's interrupt
+    state (``main``'s, which prints its line on Ctrl-C)."""
     note = adopt_slurm_env()
     if note and os.environ["RANK"] == "0":
         print(f"note: {note}", flush=True)
     with tensor_memory_from_env() as tracker, process_group_scope():
-        return _run(argv, tracker, faults)
+        return _run(argv, tracker, faults, progress)
 
 
-def _run(argv: Sequence[str], tracker: LiveTensorMemory | None, faults: FaultInjector) -> dict[str, Any]:
-    trainer = build(prepare(argv), tracker=tracker, faults=faults)  # parse + validate, then resolve + build
+def _run(argv: Sequence[str], tracker: LiveTensorMemory | None, faults: FaultInjector,
+         progress: interrupts.Progress | None) -> dict[str, Any]:
+    # parse + validate, then resolve + build
+    trainer = build(prepare(argv), tracker=tracker, faults=faults, progress=progress)
     try:
         return trainer.train()
     finally:
@@ -58,7 +62,9 @@ def exit_once(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None, faults: FaultInjector = NO_FAULTS) -> None:
     try:
-        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv, faults))
+        progress = interrupts.Progress()  # the run's: its build fills it in, its trainer owns it
+        interrupts.run_guarded(lambda: run(sys.argv[1:] if argv is None else argv, faults, progress),
+                               progress)
     except ConfigError as e:  # bad flags or checkpoint files: one line, exit 1
         exit_once(str(e.code))
     except (DataError, FloatingPointError, CollectiveFailure) as e:  # bad data, a non-finite state, a

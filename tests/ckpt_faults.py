@@ -36,11 +36,12 @@ def failing_write(argv: list[str], rank_to_fail: int, tag: str) -> dict[str, Any
     # the writer's two ways to open a file (buffered; O_DIRECT where the filesystem takes it), this rank only
     stream_write.open = read_only_open  # type: ignore[attr-defined]
     stream_write._DirectFile = ReadOnlyDirect  # type: ignore[misc]
+    progress = interrupts.Progress()  # the run's, as megapost.pretrain.main gives it
     try:
-        run(argv)
+        run(argv, progress=progress)
     except SystemExit as e:
-        return {"message": str(e.code), "iteration": interrupts.PROGRESS.state.iteration}
-    return {"message": None, "iteration": interrupts.PROGRESS.state.iteration}
+        return {"message": str(e.code), "iteration": progress.state.iteration}
+    return {"message": None, "iteration": progress.state.iteration}
 
 
 def shared_check(base: str) -> list[str | None]:

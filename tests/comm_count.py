@@ -106,12 +106,11 @@ def count_step(argv: list[str]) -> dict[str, Any]:
         d.clear()
     trainer, history = train_with_step(argv, train_step)
     from megapost.ds_adapter.overlap import installed
-    from megapost.parallel.state import get_parallel_state
 
     engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine
     overlap = installed(engine)
     losses = history["train_loss"]
-    return {"by_axis": _by_axis(get_parallel_state()),
+    return {"by_axis": _by_axis(trainer.pstate),
             "overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
             "payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
             "params": sum(p.numel() for p in engine.module.parameters()),

@@ -192,7 +192,7 @@ def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool =
     from comm_count import COUNTS, _by_axis
 
     from megapost.parallel import build_model, initialize_parallel, make_loss_fn
-    from megapost.parallel.collectives import COMM_STATS
+    from megapost.parallel.collectives import CommStats, counting_comm
     from megapost.parallel.layers import defer_sequence_parallel_reduction
 
     pstate = initialize_parallel(tp, 1, sequence_parallel=True)
@@ -212,21 +212,21 @@ def train_tp(steps: int, micro: int, tp: int, count: bool = False, defer: bool =
         rows = samples(step, dp * micro)
         total = torch.zeros((), dtype=torch.float64)
         COUNTS.enabled = count and step == 2
-        COMM_STATS.reset()
-        COMM_STATS.enabled = step == 2
         events.clear()
-        for j in range(micro):
-            tokens = rows[j * dp + rank].unsqueeze(0)
-            opt.start_micro_batch(last=j == micro - 1)
-            labels = tokens[:, 1:]
-            loss = loss_fn(model(tokens[:, :-1]), labels, torch.ones_like(labels, dtype=torch.float))
-            (loss / micro).backward()
-            total += loss.detach().double()
-        dist.all_reduce(total, group=pstate.dp_group)
-        opt.step()
-        COUNTS.enabled = COMM_STATS.enabled = False
+        with counting_comm(CommStats()) as comm:
+            comm.enabled = step == 2
+            for j in range(micro):
+                tokens = rows[j * dp + rank].unsqueeze(0)
+                opt.start_micro_batch(last=j == micro - 1)
+                labels = tokens[:, 1:]
+                loss = loss_fn(model(tokens[:, :-1]), labels, torch.ones_like(labels, dtype=torch.float))
+                (loss / micro).backward()
+                total += loss.detach().double()
+            dist.all_reduce(total, group=pstate.dp_group)
+            opt.step()
+        COUNTS.enabled = False
         if step == 2:
-            tp_calls = COMM_STATS.calls.get("all_reduce", 0)
+            tp_calls = comm.calls.get("all_reduce", 0)
             step_events = list(events)
         losses.append(float(total) / (dp * micro))
         if count and step == 2:

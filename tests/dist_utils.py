@@ -218,16 +218,16 @@ class StepClock(Plugin):
         return step >= 1
 
     def on_step_begin(self, step: int, model: Any) -> None:
-        from megapost.parallel.collectives import COMM_STATS
+        from megapost.parallel.collectives import active_counter
 
-        COMM_STATS.enabled = step > 1
+        active_counter().enabled = step > 1  # train_layout's counting block
         self._start = time.perf_counter()
 
     def on_step_end(self, step: int, loss: float) -> None:
-        from megapost.parallel.collectives import COMM_STATS
+        from megapost.parallel.collectives import active_counter
 
         self.times.append(time.perf_counter() - self._start)
-        COMM_STATS.enabled = False
+        active_counter().enabled = False
 
 
 def train_layout(spec: RunSpec) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megapost.parallel import full_state_dict
-    from megapost.parallel.collectives import COMM_STATS
+    from megapost.parallel.collectives import CommStats, counting_comm
     from megapost.train.build import build
     from megapost.train.prepare import Prepared, prepare
 
@@ -261,9 +261,11 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
     if spec.probes:
         set_listener(model, counter)
     params0 = full_state_dict(model, pstate) if spec.return_params else None
-    COMM_STATS.reset()
+    stats = CommStats()
     try:
-        history = trainer.train()
+        with counting_comm(stats):
+            stats.enabled = False  # StepClock (count_comm) counts from step 2 on
+            history = trainer.train()
     finally:
         trainer.close()
         dist.barrier()
@@ -279,7 +281,7 @@ def train_layout(spec: RunSpec) -> dict[str, Any]:
         "grad_norms": [history["grad_norm"][k] for k in steps],
         "step_times": trainer.plugins[0].times if spec.count_comm else [], "gas": prep.args.grad_accum_steps,
         "probe_forward": dict(counter.forward), "probe_backward": dict(counter.backward),
-        "tp_bytes": dict(COMM_STATS.bytes), "tp_calls": dict(COMM_STATS.calls),
+        "tp_bytes": dict(stats.bytes), "tp_calls": dict(stats.calls),
         "local_layers": sum(isinstance(m, TransformerBlock) for m in model.modules()),
         "local_params": sum(p.numel() for p in model.parameters()),
         "first_stage": pstate.is_first_stage, "last_stage": pstate.is_last_stage,

@@ -17,11 +17,11 @@ from megapost.parallel.ds_layout_config import deepspeed_config_errors, deepspee
 from megapost.parallel.gather import full_state_dict
 from megapost.parallel.layout import layout_errors, padded_vocab_size, validate_layout
 from megapost.parallel.mpu import MPU, make_mpu
-from megapost.parallel.state import ParallelState, get_parallel_state, set_parallel_state
+from megapost.parallel.state import ParallelState
 from megapost.parallel.topology import initialize_parallel
 
 __all__ = [
     "MPU", "ParallelLlamaModel", "ParallelState", "build_model", "deepspeed_config_errors",
-    "deepspeed_config_overrides", "full_state_dict", "get_parallel_state", "initialize_parallel",
-    "layout_errors", "make_loss_fn", "make_mpu", "padded_vocab_size", "set_parallel_state", "validate_layout",
+    "deepspeed_config_overrides", "full_state_dict", "initialize_parallel",
+    "layout_errors", "make_loss_fn", "make_mpu", "padded_vocab_size", "validate_layout",
 ]

@@ -47,18 +47,32 @@ class CommStats:
         self.calls.clear()
 
 
-COMM_STATS = CommStats()
+_counter: CommStats | None = None  # the open ``counting_comm`` block's counter; None outside one
 
 
 @contextmanager
-def counting_comm() -> Iterator[CommStats]:
-    """Count the tensor-parallel collectives issued inside the block (fresh counts)."""
-    COMM_STATS.reset()
-    COMM_STATS.enabled = True
+def counting_comm(stats: CommStats | None = None) -> Iterator[CommStats]:
+    """Count the tensor-parallel collectives issued inside the block into ``stats`` (the caller's, or a
+    fresh one; enabled on entry, its ``enabled`` may be switched inside, e.g. per step). The counter is
+    process-wide while the block runs (the collectives run inside the model's layers and autograd's
+    backward threads, where nothing is passed down) and removed when it ends."""
+    global _counter
+    stats = stats if stats is not None else CommStats()
+    stats.enabled, previous, _counter = True, _counter, stats
     try:
-        yield COMM_STATS
+        yield stats
     finally:
-        COMM_STATS.enabled = False
+        _counter = previous
+
+
+def active_counter() -> CommStats | None:
+    """The counter of the open ``counting_comm`` block, if any."""
+    return _counter
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    if _counter is not None:
+        _counter.record(op, tensor)
 
 
 def group_size(group: Any) -> int:
@@ -81,7 +95,7 @@ def _fallback_or_raise(op: str, group: Any) -> None:
 def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over ``group``; returns a new tensor, ``x`` is untouched."""
     out = x.contiguous().clone()
-    COMM_STATS.record("all_reduce", out)
+    _record("all_reduce", out)
     dist.all_reduce(out, op=op, group=group)
     return out
 
@@ -99,7 +113,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     n = group_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    COMM_STATS.record("all_gather", out)
+    _record("all_gather", out)
     if _native("all_gather", group):
         try:
             _all_gather_tensor(out, front, group=group)
@@ -116,7 +130,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split into {n} equal parts")
     front = x.movedim(dim, 0).contiguous()
-    COMM_STATS.record("reduce_scatter", front)
+    _record("reduce_scatter", front)
     if _native("reduce_scatter", group):
         out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
         try:

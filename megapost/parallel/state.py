@@ -1,4 +1,7 @@
-"""The one place that answers "which rank am I on each axis" (tensor, pipeline, data)."""
+"""The one place that answers "which rank am I on each axis" (tensor, pipeline, data): a
+``ParallelState`` instance, built by ``megapost.parallel.topology.initialize_parallel`` and passed down
+by the trainer's build to the model's parallel layers, the data, the engine and the plugins (no module
+global: a process may build several, e.g. tests)."""
 
 from __future__ import annotations
 
@@ -47,14 +50,3 @@ class ParallelState:
         """The last global rank (last pipeline stage) logs, as in Megatron."""
         return self.global_rank == self.world_size - 1
 
-
-_STATE = ParallelState()
-
-
-def get_parallel_state() -> ParallelState:
-    return _STATE
-
-
-def set_parallel_state(state: ParallelState) -> None:
-    global _STATE
-    _STATE = state

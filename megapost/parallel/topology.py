@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from megapost.ds_adapter.internals import pipeline_grid
 from megapost.parallel.layout import PP_FLAG, TP_FLAG
-from megapost.parallel.state import ParallelState, set_parallel_state
+from megapost.parallel.state import ParallelState
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, sequence_parallel: bool = False) -> ParallelState:
-    """Build and install (``set_parallel_state``) this rank's ParallelState.
+    """This rank's ParallelState (the caller owns it and passes it down).
 
     Call after ``deepspeed.init_distributed(dist_backend=...)``, collectively on every rank. Without an
     initialised process group only the single-process layout (1, 1) is accepted. Sequence parallelism
@@ -30,9 +30,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, sequence_parallel: bool = Fals
         raise ValueError(f"world size {world} is not divisible by {TP_FLAG} {tp} x {PP_FLAG} {pp}")
     sp = sequence_parallel and tp > 1
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
-        state = ParallelState(sequence_parallel=sp)
-        set_parallel_state(state)
-        return state
+        return ParallelState(sequence_parallel=sp)
     topology, grid = pipeline_grid(pp, tp, world // (tp * pp))
     coord = topology.get_coord(dist.get_rank())
     state = ParallelState(
@@ -42,5 +40,4 @@ def initialize_parallel(tp: int = 1, pp: int = 1, sequence_parallel: bool = Fals
         dp_group=grid.get_data_parallel_group(),
         sequence_parallel=sp, topology=topology, grid=grid,
     )
-    set_parallel_state(state)
     return state

@@ -52,7 +52,9 @@ class Interrupted(KeyboardInterrupt):
 
 @dataclass
 class Progress:
-    """What the one-line interrupt message needs; the build fills it in as the run takes shape."""
+    """What the one-line interrupt message needs and what a caught signal asks for: one per run, made by
+    whoever runs it (``megapost.pretrain``) and owned by its Trainer; the build fills it in as the run
+    takes shape. Its methods are the signal handlers (``install``)."""
 
     save: str | None = None  # --save as resolved
     run_name: str | None = None  # --run-name as resolved (None: no run directory)
@@ -64,8 +66,50 @@ class Progress:
     deferring: bool = False
     interrupted: bool = False
 
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if self.deferring:  # --exit-signal-handler: the trainer saves at the next step boundary
+            self.requested = self.requested or signum
+            return
+        if self.interrupted:
+            return
+        self.interrupted = True
+        # the launcher's follow-up SIGTERM while we print: a Python no-op, not SIG_IGN — a SIGTERM already
+        # pending would then raise "OSError: Signal 15 ignored due to race condition" mid-unwind
+        signal.signal(signal.SIGTERM, _ignore)
+        raise Interrupted(signum)
 
-PROGRESS = Progress()
+    def on_sigterm(self, signum: int, _frame: Any) -> None:
+        """Without --exit-signal-handler: exit now, as SIGTERM's default would, unless a SIGINT is already
+        being handled (then the launcher's follow-up SIGTERM must not cut its line off)."""
+        if not self.interrupted:
+            os._exit(128 + signum)
+
+    def install(self, defer: bool = False) -> None:
+        """This process's SIGINT/SIGTERM handlers: SIGINT raises :class:`Interrupted` once; with ``defer``
+        (--exit-signal-handler) SIGINT and SIGTERM only set ``requested``.
+
+        Without ``defer`` SIGTERM exits at once (``on_sigterm``): the launcher stops surviving ranks with
+        it when one rank fails. A rank blocked in a collective runs it when the collective returns (a dead
+        peer ends it with an error), or the launcher's SIGKILL follows.
+        """
+        self.deferring = defer
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self.on_signal)
+            signal.signal(signal.SIGTERM, self.on_signal if defer else self.on_sigterm)
+
+    def last_checkpoint(self) -> str:
+        """``<save>/<tag>`` a resume would load (``checkpoint_of``), else ``none``."""
+        if not self.save:
+            return "none (no --save)"
+        found = self.checkpoint_of(self.save) if self.checkpoint_of is not None else None
+        return found or "none"
+
+    def interrupted_line(self) -> str:
+        iteration = self.state.iteration if self.state is not None else 0
+        return (f"interrupted at iteration {iteration}; last complete checkpoint: {self.last_checkpoint()}; "
+                f"resume with: {resume_command(self.save, self.run_name, self.runs_dir)}")
+
+
 
 
 # ---- launcher ancestry -----------------------------------------------------------------------------
@@ -109,42 +153,8 @@ def die_with_launcher() -> None:
 
 
 # ---- signals ------------------------------------------------------------------------------------------
-def _on_signal(signum: int, _frame: Any) -> None:
-    if PROGRESS.deferring:  # --exit-signal-handler: the trainer saves at the next step boundary
-        PROGRESS.requested = PROGRESS.requested or signum
-        return
-    if PROGRESS.interrupted:
-        return
-    PROGRESS.interrupted = True
-    # the launcher's follow-up SIGTERM while we print: a Python no-op, not SIG_IGN — a SIGTERM already
-    # pending would then raise "OSError: Signal 15 ignored due to race condition" mid-unwind
-    signal.signal(signal.SIGTERM, _ignore)
-    raise Interrupted(signum)
-
-
 def _ignore(_signum: int, _frame: Any) -> None:
     """A handled-and-dropped signal."""
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:
-    """Without --exit-signal-handler: exit now, as SIGTERM's default would, unless a SIGINT is already
-    being handled (then the launcher's follow-up SIGTERM must not cut its line off)."""
-    if not PROGRESS.interrupted:
-        os._exit(128 + signum)
-
-
-def install_handlers(defer: bool = False) -> None:
-    """SIGINT raises :class:`Interrupted` once; with ``defer`` (--exit-signal-handler) SIGINT and
-    SIGTERM only set ``PROGRESS.requested``.
-
-    Without ``defer`` SIGTERM exits at once (``_on_sigterm``): the launcher stops surviving ranks with
-    it when one rank fails. A rank blocked in a collective runs it when the collective returns (a dead
-    peer ends it with an error), or the launcher's SIGKILL follows.
-    """
-    PROGRESS.deferring = defer
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal if defer else _on_sigterm)
 
 
 def _port_marker(port: str) -> str:
@@ -207,13 +217,13 @@ def forget_port_check() -> None:
             os.unlink(_port_marker(port))
 
 
-def at_rank_start() -> None:
-    """Everything a rank does first, before any heavy work (idempotent)."""
-    if getattr(at_rank_start, "done", False):
-        return
-    at_rank_start.done = True  # type: ignore[attr-defined]
-    install_handlers()
-    die_with_launcher()
+def at_rank_start(progress: Progress) -> None:
+    """Everything a rank does first, before any heavy work: ``progress``'s signal handlers, and (once per
+    process: it starts a thread) dying with the launcher."""
+    progress.install()
+    if not getattr(die_with_launcher, "done", False):
+        die_with_launcher.done = True  # type: ignore[attr-defined]
+        die_with_launcher()
 
 
 # ---- the one line ---------------------------------------------------------------------------------------
@@ -256,30 +266,17 @@ def resume_command(save: str | None = None, run_name: str | None = None,
     return shlex.join(head + user)
 
 
-def last_checkpoint(save: str | None) -> str:
-    """``<save>/<tag>`` a resume would load (``Progress.checkpoint_of``), else ``none``."""
-    if not save:
-        return "none (no --save)"
-    found = PROGRESS.checkpoint_of(save) if PROGRESS.checkpoint_of is not None else None
-    return found or "none"
-
-
-def interrupted_line() -> str:
-    p = PROGRESS
-    iteration = p.state.iteration if p.state is not None else 0
-    return (f"interrupted at iteration {iteration}; last complete checkpoint: {last_checkpoint(p.save)}; "
-            f"resume with: {resume_command(p.save, p.run_name, p.runs_dir)}")
-
-
-def run_guarded(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; an interrupt ends it with the one line, printed by global rank 0 only."""
-    at_rank_start()
+def run_guarded(fn: Callable[[], Any], progress: Progress | None = None) -> Any:
+    """Run ``fn``; an interrupt ends it with the one line (of ``progress``: the run's, filled in by its
+    build), printed by global rank 0 only."""
+    progress = progress or Progress()
+    at_rank_start(progress)
     try:
         return fn()
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # one write: print's separate newline could interleave
             sys.stderr.flush()                   # with the launcher's log lines
-            os.write(sys.stderr.fileno(), (interrupted_line() + "\n").encode())
+            os.write(sys.stderr.fileno(), (progress.interrupted_line() + "\n").encode())
         raise SystemExit(128 + e.signum) from None
 
 
@@ -287,9 +284,10 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
 class ExitConditions:
     """--exit-signal-handler / --exit-interval / --exit-duration-in-mins, decided the same on every rank."""
 
-    def __init__(self, interval: int, minutes: float, signals: bool) -> None:
-        """--exit-interval, --exit-duration-in-mins, --exit-signal-handler."""
-        self.interval, self.minutes, self.signals = interval, minutes, signals
+    def __init__(self, interval: int, minutes: float, signals: bool, progress: Progress) -> None:
+        """--exit-interval, --exit-duration-in-mins, --exit-signal-handler; ``progress``: the run's (its
+        signal handlers defer to the next step boundary under --exit-signal-handler)."""
+        self.interval, self.minutes, self.signals, self.progress = interval, minutes, signals, progress
         self.start = time.time()
         self.group: Any = None
         self.reduce = bool(self.signals or self.minutes > 0) and dist.is_initialized() \
@@ -302,7 +300,7 @@ class ExitConditions:
                                    f"(gloo) did not start ({e}); set GLOO_SOCKET_IFNAME to a routable "
                                    "interface (as NCCL_SOCKET_IFNAME)") from e
         if self.signals:
-            install_handlers(defer=True)
+            progress.install(defer=True)
 
     def check(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (None: go on)."""
@@ -310,7 +308,7 @@ class ExitConditions:
             return f"--exit-interval {self.interval}"
         if not (self.signals or self.minutes > 0):
             return None
-        flags = torch.tensor([PROGRESS.requested,
+        flags = torch.tensor([self.progress.requested,
                               int(self.minutes > 0 and time.time() - self.start >= 60 * self.minutes)])
         if self.reduce:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)

@@ -120,15 +120,16 @@ def build_engine(config: Config, user_ds: dict[str, Any], model: torch.nn.Module
 
 
 def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None,
-          faults: FaultInjector = NO_FAULTS) -> Trainer:
+          faults: FaultInjector = NO_FAULTS, progress: interrupts.Progress | None = None) -> Trainer:
     """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's;
-    ``faults``: a test harness's, none in production)."""
+    ``faults``: a test harness's, none in production; ``progress``: the run's interrupt state, which
+    ``megapost.pretrain`` guards the run with; the trainer owns it)."""
     args, model_cfg = prep.args, prep.model
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     config = resolve(args, model_cfg, device.type, prep.plugin_classes)  # below: the typed sections
-    log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
+    log, progress = config.logging, progress or interrupts.Progress()  # what the interrupt line names
     progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
     progress.checkpoint_of = checkpoint_io.last_complete
     interrupts.forget_port_check()
@@ -164,8 +165,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     planned = planned_rank_peak(model_cfg, config.engine.batch, run, pstate, ds_config)
     memory = PeakMemory(device, tracker, planned)
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
-                      peak.tflops, device, memory=memory, faults=faults, schedule=ds.lr_scheduler)
-    interrupts.PROGRESS.state = trainer.state
+                      peak.tflops, device, memory=memory, faults=faults, schedule=ds.lr_scheduler,
+                      progress=progress)
     skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),
                                 run.max_consecutive_skipped_iterations,

@@ -16,7 +16,7 @@ from megapost.metrics.monitor import Monitor
 from megapost.metrics.throughput import PeakMemory, Throughput
 from megapost.parallel.state import ParallelState
 from megapost.plugin_api import Plugin
-from megapost.runtime.interrupts import last_checkpoint, resume_command
+from megapost.runtime.interrupts import Progress, resume_command
 from megapost.train.checkpoints import CheckpointManager
 from megapost.train.evaluator import Evaluator
 from megapost.train.logger import ParamStats, TrainLogger, host_norms
@@ -44,12 +44,15 @@ class Trainer:
                  valid_iter_fn: Callable[[], Iterator[Any] | None] | None, plugins: list[Plugin],
                  monitor: Monitor, peak_tflops: float, device: torch.device,
                  memory: PeakMemory | None = None, faults: FaultInjector = NO_FAULTS,
-                 schedule: Any = None) -> None:
+                 schedule: Any = None, progress: Progress | None = None) -> None:
         """``config``: the resolved sections the parts read; ``schedule``: the lr schedule the engine
-        steps (megapost.optim.schedule; plugins' lr requests rescale it)."""
+        steps (megapost.optim.schedule; plugins' lr requests rescale it); ``progress``: the run's
+        interrupt state (megapost.runtime.interrupts), owned from here on."""
         self.config, self.engine, self.pstate = config, engine, pstate
         self.monitor, self.device = monitor, device
         self.state = TrainState()
+        self.progress = progress or Progress(save=config.checkpoint.save)
+        self.progress.state = self.state  # what the interrupt line names
         batch, run, ckpt = config.engine.batch, config.runtime, config.checkpoint
         self.tokens_per_step = batch.global_batch_size * config.model.seq_length
         self.host = PluginHost(plugins)
@@ -66,7 +69,8 @@ class Trainer:
                                   stats, batch.global_batch_size, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
                                              self.logger)
-        self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, faults)
+        self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, self.progress,
+                                 faults)
         self.host.bind(engine, schedule, config.optimizer, self.snapshot, self.restore)  # through the Engine
 
     @property
@@ -198,7 +202,7 @@ class Trainer:
         self.checkpoints.wait()  # the end of training waits for a background save
         if exit_reason:
             self.monitor.line(f" exiting at iteration {st.iteration} ({exit_reason}); checkpoint: "
-                              f"{last_checkpoint(ckpt.save)}; resume with: "
+                              f"{self.progress.last_checkpoint()}; resume with: "
                               f"{resume_command(ckpt.save, log.run_name, log.runs_dir)}")
         history["train_loss"] = {k: float(v) for k, v in history["train_loss"].items()}
         history["grad_norm"] = dict(zip(history["grad_norm"],

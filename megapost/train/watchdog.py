@@ -12,7 +12,7 @@ from typing import Any
 from megapost.config.resolved import RuntimeConfig
 from megapost.parallel.state import ParallelState
 from megapost.runtime.hang_report import explain, is_collective_error, start_heartbeat
-from megapost.runtime.interrupts import ExitConditions
+from megapost.runtime.interrupts import ExitConditions, Progress
 from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
@@ -20,14 +20,14 @@ class Watchdog:
     """Runs the loop under a heartbeat; says when to stop and when to fail on purpose."""
 
     def __init__(self, runtime: RuntimeConfig, timeout_minutes: float, pstate: ParallelState,
-                 faults: FaultInjector = NO_FAULTS) -> None:
+                 progress: Progress, faults: FaultInjector = NO_FAULTS) -> None:
         """``runtime``: the exit flags (``exit_interval``, ``exit_duration_in_mins``,
-        ``exit_signal_handler``); ``timeout_minutes``: --distributed-timeout-minutes; ``faults``: a
-        harness's (none in production)."""
+        ``exit_signal_handler``); ``timeout_minutes``: --distributed-timeout-minutes; ``progress``: the
+        run's signal state; ``faults``: a harness's (none in production)."""
         self.pstate, self.faults = pstate, faults
         self.timeout_minutes = timeout_minutes
         self.exits = ExitConditions(runtime.exit_interval, runtime.exit_duration_in_mins,
-                                    runtime.exit_signal_handler)
+                                    runtime.exit_signal_handler, progress)
 
     def run(self, loop: Callable[[], Any], iteration: Callable[[], int]) -> Any:
         """``loop()``; a collective that times out or loses a peer ends it with a CollectiveFailure
