@@ -142,6 +142,9 @@ class InitModels(Protocol):
         """The untrained model of ``cfg`` (megapost's ModelConfig) in ``dtype``, each sequence of ``tokens``
         [S, n] through its embedding and blocks (no head, no grad), ``listener`` on its probes."""
 
+    def init_std(self, cfg: Any, role: str) -> float:
+        """The init std of a weight matrix of ``cfg``'s model by role (embed, qkv, wo, w1, w3, w2)."""
+
     def sequences(self, data_path: str, seq_length: int, count: int, seed: int = 1234) -> torch.Tensor:
         """``count`` token sequences [count, seq_length] of an indexed dataset, cut and shuffled as
         the trainer's dataset does."""

@@ -19,6 +19,7 @@ from megapost.config.resolved import Config
 from megapost.data.gpt_dataset import GPTDataset, split_document_ranges
 from megapost.data.indexed_dataset import IndexedDataset
 from megapost.model import LlamaModel, ModelConfig, set_listener
+from megapost.model.init import matrix_std
 from megapost.model.rope import apply_rope_tables
 from megapost.parallel import collectives
 from megapost.plugin_api import ForwardProbes, PluginContext, RunInfo, Services
@@ -120,6 +121,9 @@ class InitModels:
             x = model.embedding(seq[None])
             for layer in model.layers:
                 x = layer(x)
+
+    def init_std(self, cfg: ModelConfig, role: str) -> float:
+        return matrix_std(cfg, role)
 
     def sequences(self, data_path: str, seq_length: int, count: int, seed: int = 1234) -> torch.Tensor:
         indexed = IndexedDataset(data_path)

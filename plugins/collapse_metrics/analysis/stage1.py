@@ -51,22 +51,11 @@ FIELDS = ("t_x", "t_y", "t_out", "x_fro_sq", "y_fro_sq")
 BANDS = 4  # layer bands for the measured/predicted summary (1-12, 13-24, ... at 48 layers)
 
 
-def init_variances(cfg: ModelConfig) -> InitVariances:
-    """Entry variances of megapost's init (megapost.model.init.matrix_std: any scheme, any multiplier;
-    tests/test_stage1.py holds the two equal): --init-variance paper 1/(3d) (W_2: 1/(3 d_ff)), else
-    --init-method-std^2 (W_O, W_2 over 2L with --scaled-output-init); sublayer matrices times
-    --init-sublayer-multiplier."""
-    def var(role: str) -> float:
-        if cfg.init_variance == "paper":
-            v = 1.0 / (3 * (cfg.ffn_hidden_size if role == "w2" else cfg.hidden_size))
-        else:
-            v = cfg.init_method_std ** 2
-            if cfg.scaled_output_init and role in ("wo", "w2"):
-                v /= 2.0 * cfg.num_layers
-        return v if role == "embed" else v * cfg.sublayer_init_multiplier
-
-    return InitVariances(var("qkv"), var("qkv"), var("qkv"), var("wo"), var("w1"), var("w3"), var("w2"),
-                         var("embed"))
+def init_variances(cfg: ModelConfig, models: InitModels) -> InitVariances:
+    """Entry variances exactly as megapost's init draws them (any scheme, any multiplier)."""
+    var = {role: models.init_std(cfg, role) ** 2 for role in ("qkv", "wo", "w1", "w2", "w3", "embed")}
+    return InitVariances(var["qkv"], var["qkv"], var["qkv"], var["wo"], var["w1"], var["w3"], var["w2"],
+                         var["embed"])
 
 
 def _stats(t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +100,12 @@ class ProbeRecorder:
 def measure(cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype = torch.float32, *,
             models: InitModels) -> dict[str, Any]:
     """Forward-only pass of the untrained model over ``tokens`` [S, n], one sequence at a time (the LM
-    head is skipped); returns ProbeRecorder.arrays plus the wall time."""
+    head is skipped); returns ProbeRecorder.arrays, the init variances and the wall time."""
     start = time.perf_counter()
     recorder = ProbeRecorder()
     models.untrained_forward(cfg, tokens, dtype, recorder)
     out = recorder.arrays(cfg.num_layers)
+    out["init_variances"] = init_variances(cfg, models)
     out["runtime_s"] = time.perf_counter() - start
     return out
 
@@ -148,7 +138,7 @@ def predicted_increments(cfg: ModelConfig, meas: dict[str, Any],
     Post- and Pre-Norm only (``theory_applies``)."""
     _require_theory(cfg)
     n, d, f = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size
-    var = init_variances(cfg)
+    var = meas["init_variances"]
     nd = float(n * d)
     pre = cfg.norm_position == "pre"
     x1 = meas["attn"]["x_fro_sq"] if pre else np.full_like(meas["attn"]["t_x"], nd)
@@ -169,7 +159,7 @@ def iterated_curve(cfg: ModelConfig, meas: dict[str, Any]) -> dict[str, list[flo
     pre = cfg.norm_position == "pre"
     curve = predicted_tsim_curve(
         float(meas["embed"]["t"].mean()), cfg.num_layers, cfg.seq_length, cfg.hidden_size,
-        cfg.ffn_hidden_size, init_variances(cfg), cfg.norm_position,
+        cfg.ffn_hidden_size, meas["init_variances"], cfg.norm_position,
         x_fro_sq_per_layer=meas["attn"]["x_fro_sq"].mean(0) if pre else None,
         x2_fro_sq_per_layer=meas["ffn"]["x_fro_sq"].mean(0) if pre else None,
         embed_fro_sq=float(meas["embed"]["fro_sq"].mean()), alpha=cfg.prefix_alpha,
