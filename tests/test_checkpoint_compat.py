@@ -44,7 +44,7 @@ def _pieces(kind: str, name: str) -> torch.Tensor:
 
 
 def test_old_checkpoint_index_reads_recorded_splits() -> None:
-    from megapost.checkpoint.layout_free import ShardIndex
+    from megapost.checkpoint.reader import ShardIndex
 
     index = ShardIndex(str(OLD / "iter_0000002"))
     assert len(index.shapes) == 2 + 2 * len(SPLIT)  # Post-Norm: no final norm
