@@ -5,8 +5,9 @@ run is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
 
 Imports nothing of megapost but utils (pyproject.toml's contracts)."""
 
+from megapost.kernels.add_norm import add_rms_norm, rms_norm
 from megapost.kernels.linear import packed_linear, packed_weight
 from megapost.kernels.rope import rope
 from megapost.kernels.swiglu import swiglu_packed
 
-__all__ = ["packed_linear", "packed_weight", "rope", "swiglu_packed"]
+__all__ = ["add_rms_norm", "packed_linear", "packed_weight", "rms_norm", "rope", "swiglu_packed"]
