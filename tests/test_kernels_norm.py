@@ -62,9 +62,9 @@ def test_rms_norm_alone_is_bit_identical_in_bf16() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def _model_step(placement: str, spec: str, dtype: torch.dtype) -> list[torch.Tensor]:
+def _model_step(placement: str, spec: str, dtype: torch.dtype, qk_norm: bool = False) -> list[torch.Tensor]:
     cfg = ModelConfig(vocab_size=96, num_layers=3, hidden_size=D, ffn_hidden_size=96, num_attention_heads=4,
-                      seq_length=16, norm_position=placement)
+                      seq_length=16, norm_position=placement, qk_norm=qk_norm)
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(dtype)
     set_kernel_fusion(model, parse_fusion(spec))
@@ -75,9 +75,10 @@ def _model_step(placement: str, spec: str, dtype: torch.dtype) -> list[torch.Ten
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_placement_is_bit_identical_with_the_fused_norm(placement: str, dtype: torch.dtype) -> None:
-    got, want = _model_step(placement, "norm", dtype), _model_step(placement, "none", dtype)
+@pytest.mark.parametrize("placement, qk_norm", [(p, False) for p in PLACEMENTS] + [("post", True)])
+def test_every_placement_is_bit_identical_with_the_fused_norm(placement: str, qk_norm: bool,
+                                                              dtype: torch.dtype) -> None:
+    got, want = _model_step(placement, "norm", dtype, qk_norm), _model_step(placement, "none", dtype, qk_norm)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

@@ -7,7 +7,9 @@ Imports nothing of megapost but utils (pyproject.toml's contracts)."""
 
 from megapost.kernels.add_norm import add_rms_norm, rms_norm
 from megapost.kernels.linear import packed_linear, packed_weight
+from megapost.kernels.linear_ce import linear_cross_entropy
 from megapost.kernels.rope import rope
 from megapost.kernels.swiglu import swiglu_packed
 
-__all__ = ["add_rms_norm", "packed_linear", "packed_weight", "rms_norm", "rope", "swiglu_packed"]
+__all__ = ["add_rms_norm", "linear_cross_entropy", "packed_linear", "packed_weight", "rms_norm", "rope",
+           "swiglu_packed"]

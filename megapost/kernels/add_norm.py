@@ -31,7 +31,7 @@ class _AddRMSNorm(torch.autograd.Function):
         up = y.float() if y.dtype != torch.float32 else y
         r = up.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt()
         n = up.mul(r)
-        out = n.mul(weight)
+        out = n.mul(weight).contiguous()  # the composite's output is contiguous (a strided input: a copy)
         ctx.save_for_backward(up, r, n, weight)
         ctx.set_materialize_grads(False)  # an unused output (Post-Norm's y) costs no zero-filled gradient
         ctx.dtype, ctx.has_h, ctx.scale = y.dtype, h is not None, scale
