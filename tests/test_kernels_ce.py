@@ -92,7 +92,7 @@ def _model_loss(spec: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch
     model.head.returns_head_output = True
     set_kernel_fusion(model, parse_fusion(spec))
     gen = torch.Generator().manual_seed(3)
-    tokens, labels = torch.randint(0, 96, (2, 16), generator=gen), torch.randint(0, 96, (2, 16), generator=gen)
+    tokens, labels = (torch.randint(0, 96, (2, 16), generator=gen) for _ in range(2))
     out = model(tokens)
     loss = lm_loss(out, labels, torch.ones(2, 16), z_loss=1e-3)
     loss.backward()
