@@ -140,3 +140,15 @@ def test_chunked_head_never_holds_the_logits(dtype: torch.dtype, monkeypatch: py
     chunk = 64 * 4096
     assert fused <= chunk * (4 + 4 + 2 * dtype.itemsize) + 512 * 64 * 4 + 4096 * 64 * 6, (fused, unfused)
     assert fused < unfused / 2
+
+
+def test_planner_prices_the_chunked_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``head_bytes`` with chunks (saved + backward transient, the input aside) within 5% of the peak of
+    live tensor bytes of one forward + backward in bf16."""
+    from megapost.plan.memory import head_bytes
+
+    measured = _peak(True, torch.bfloat16, monkeypatch)
+    cfg = ModelConfig(vocab_size=4096, num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=512)
+    saved, transient = head_bytes(cfg, 1, 1, False, 2, chunk_elements=64 * 4096)
+    planned = saved - 2 * 512 * 64 + transient
+    assert abs(measured / planned - 1) <= 0.05, (measured, planned)

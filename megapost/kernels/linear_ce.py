@@ -40,6 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = F.linear(hidden[start:stop], weight).to(dtype)
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             picked[start:stop] = z.gather(-1, target[start:stop].unsqueeze(-1)).squeeze(-1)
+            del z  # before the next chunk's GEMM: one chunk alive at a time
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.rows = rows
         ctx.set_materialize_grads(False)
@@ -67,6 +68,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(dz, weight, out=dx[start:stop])
             if dw is not None:
                 dw.add_(dz.t().mm(x))
+            del p, dz
         return dx, (dw.to(weight.dtype) if dw is not None else None), None, None
 
 
