@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kernels import _model_step as model_step
 
 from megapost.kernels import add_rms_norm, rms_norm
 from megapost.model import LlamaModel, ModelConfig
@@ -65,13 +66,8 @@ def test_rms_norm_alone_is_bit_identical_in_bf16() -> None:
 def _model_step(placement: str, spec: str, dtype: torch.dtype, qk_norm: bool = False) -> list[torch.Tensor]:
     cfg = ModelConfig(vocab_size=96, num_layers=3, hidden_size=D, ffn_hidden_size=96, num_attention_heads=4,
                       seq_length=16, norm_position=placement, qk_norm=qk_norm)
-    torch.manual_seed(0)
-    model = LlamaModel(cfg).to(dtype)
-    set_kernel_fusion(model, parse_fusion(spec))
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = model(tokens)
-    logits.float().square().mean().backward()
-    return [logits.detach(), *(p.grad for p in model.parameters())]
+    logits, grads = model_step(cfg, spec, dtype)
+    return [logits, *grads]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
