@@ -152,3 +152,21 @@ def test_planner_prices_the_chunked_head(monkeypatch: pytest.MonkeyPatch) -> Non
     saved, transient = head_bytes(cfg, 1, 1, False, 2, chunk_elements=64 * 4096)
     planned = saved - 2 * 512 * 64 + transient
     assert abs(measured / planned - 1) <= 0.05, (measured, planned)
+
+
+def test_fused_paths_still_call_every_module_with_parameters() -> None:
+    """The distributed optimizer waits for a module's parameter gather in a forward pre-hook: the fused
+    add + norm and the deferred head must still call the norm and head modules."""
+    cfg = ModelConfig(vocab_size=96, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                      seq_length=16)
+    model = LlamaModel(cfg).to(torch.bfloat16)
+    model.head.returns_head_output = True
+    set_kernel_fusion(model, parse_fusion("norm,ce"))
+    called: set[str] = set()
+    for name, m in model.named_modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(lambda _m, _a, name=name: called.add(name))
+    out = model(torch.randint(0, 96, (2, 16)))
+    assert isinstance(out, HeadOutput)
+    want = {n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    assert "head.lm_head" in want and "layers.0.attention_norm" in want and called == want

@@ -49,9 +49,9 @@ class TransformerBlock(nn.Module):
     @staticmethod
     def _add(x: torch.Tensor, h: torch.Tensor, scale: float,
              norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(Y = scale * x + h, norm(Y) or None); RMSNorm fuses the add in (``RMSNorm.add_forward``)."""
+        """(Y = scale * x + h, norm(Y) or None); RMSNorm fuses the add in (``RMSNorm(x, h, scale)``)."""
         if isinstance(norm, RMSNorm):
-            return norm.add_forward(x, h, scale)
+            return norm(x, h, scale)
         y = x + h if scale == 1.0 else x * scale + h
         return y, (norm(y) if norm is not None else None)
 

@@ -35,6 +35,15 @@ class Embedding(nn.Module):
         return x
 
 
+class LMHead(nn.Linear):
+    """The untied, bias-free LM head; ``self(x, True)`` returns a ``HeadOutput`` (its input and weight)
+    instead of logits, for a loss that computes them chunk by chunk. A module call either way, so hooks on
+    it (the distributed optimizer's wait for its parameter gather) run."""
+
+    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | HeadOutput:
+        return HeadOutput(x, self.weight) if defer else super().forward(x)
+
+
 class Head(nn.Module):
     """Final norm (unless the last block already ends in one, as Post-Norm's does) and untied LM head.
     With ``returns_head_output`` (set by a builder whose loss takes a ``HeadOutput``) and the ``ce``
@@ -44,7 +53,7 @@ class Head(nn.Module):
         super().__init__()
         self.final_norm = (make_norm(cfg.norm_kind, cfg.hidden_size, cfg.norm_eps, cfg.dyt_alpha_init[1])
                            if cfg.final_norm else None)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.probe = Probe(("head",))
         self.fusion = Fusion()  # megapost.model.fusion.set_kernel_fusion
         self.returns_head_output = False
@@ -54,9 +63,9 @@ class Head(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         self.probe(x=x)
-        if (self.returns_head_output and type(self.lm_head) is nn.Linear and self.fusion.on("ce", x.dtype)
+        if (self.returns_head_output and type(self.lm_head) is LMHead and self.fusion.on("ce", x.dtype)
                 and not torch.compiler.is_compiling()):
-            return HeadOutput(x, self.lm_head.weight)
+            return self.lm_head(x, True)
         return self.lm_head(x)
 
 

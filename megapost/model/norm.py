@@ -1,6 +1,6 @@
 """RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm; on CPU,
 where F.rms_norm is a composite, ``megapost.kernels.add_rms_norm`` under ``--kernel-fusion`` norm), its
-residual add fused in (``add_forward``), and Dynamic Tanh, the norm-free replacement of the ``dyt``
+residual add fused in (``RMSNorm(x, h)``), and Dynamic Tanh, the norm-free replacement of the ``dyt``
 placement."""
 
 from __future__ import annotations
@@ -38,14 +38,18 @@ class RMSNorm(nn.Module):
         return (x.device.type != "cuda" and self.fusion.on("norm", x.dtype)
                 and not torch.compiler.is_compiling())
 
-    def add_forward(self, x: torch.Tensor, h: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-        """(y, self(y)) for y = ``scale`` * x + h: one fused Function where ``_fused``."""
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``self(x)``: the norm of x. ``self(x, h, scale)``: (y, the norm of y) for y = ``scale`` * x + h,
+        one fused Function where ``_fused`` (a module call either way: hooks on the norm run)."""
+        if h is None:
+            return self._norm(x)
         if self._fused(x):
             return add_rms_norm(x, h, self.weight, self.eps, scale)
         y = x + h if scale == 1.0 else x * scale + h
-        return y, self(y)
+        return y, self._norm(y)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # alone not in fp32: where x has other readers autograd adds their gradients to the norm's
         # three terms one by one, the Function to their sum (in bf16 autograd also sums them first)
         if self._fused(x) and x.dtype != torch.float32:
