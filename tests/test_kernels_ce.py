@@ -170,3 +170,21 @@ def test_fused_paths_still_call_every_module_with_parameters() -> None:
     assert isinstance(out, HeadOutput)
     want = {n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
     assert "head.lm_head" in want and "layers.0.attention_norm" in want and called == want
+
+
+def test_only_the_loss_path_gets_a_head_output() -> None:
+    """A plugin calling the built model (collapse_metrics' autopsy) gets logits; the step runner's
+    passes, inside ``head_output()``, leave them to the loss."""
+    from megapost.parallel import build_model
+    from megapost.parallel.state import ParallelState
+
+    cfg = ModelConfig(vocab_size=96, num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                      seq_length=16)
+    model, loss_fn = build_model(cfg, ParallelState())
+    model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, 96, (2, 16))
+    assert model(tokens).shape == (2, 16, 96)
+    with model.head_output():
+        out = model(tokens)
+    assert isinstance(out, HeadOutput) and isinstance(model(tokens), torch.Tensor)
+    assert torch.isfinite(loss_fn(out, tokens, torch.ones(2, 16)))
