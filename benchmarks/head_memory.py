@@ -2,12 +2,13 @@
 cross-entropy on the [tokens, vocab] logits) against the chunked head + cross-entropy
 (``--kernel-fusion`` ce, ``megapost/kernels/linear_ce.py``), forward + backward with z-loss, each case in
 a fresh process. Measured: the peak of live tensor bytes above the inputs (``LiveTensorMemory``: every
-storage an op allocates, exact on any device), the process's peak RSS growth, and the wall time of one
-forward + backward after a warm-up; next to them the planner's price (``megapost.plan.memory.head_bytes``:
+storage an op allocates, exact on any device), the process's peak RSS growth, the wall time of that
+forward + backward (under the counting mode) and, with ``--timed``, of a second one without it; next to
+them the planner's price (``megapost.plan.memory.head_bytes``:
 saved + backward transient).
 
     python benchmarks/head_memory.py [--tokens 8192 --hidden 512 --vocab 32000] [--dtypes fp32,bf16]
-        [--device cpu|cuda] [--json OUT]
+        [--cases unfused,chunked] [--timed] [--device cpu|cuda] [--json OUT]
 
 Defaults: the paper's head (micro-batch 4 x seq 2048 tokens, width 512, vocab 32000).
 """
@@ -62,12 +63,14 @@ def one_case(case: str, dtype_name: str, o: argparse.Namespace) -> dict[str, Any
         step(*args)
         first_s = time.perf_counter() - start
         peak = mem.peak - base
-    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
-    args = inputs()
-    start = time.perf_counter()
-    step(*args)
-    return {"case": case, "dtype": dtype_name, "peak_tensor_bytes": peak, "peak_rss_growth_bytes": rss_growth,
-            "seconds": time.perf_counter() - start, "first_seconds": first_s}
+    row = {"case": case, "dtype": dtype_name, "peak_tensor_bytes": peak, "first_seconds": first_s,
+           "peak_rss_growth_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0}
+    if o.timed:
+        args = inputs()
+        start = time.perf_counter()
+        step(*args)
+        row["seconds"] = time.perf_counter() - start
+    return row
 
 
 def planned(case: str, dtype_name: str, o: argparse.Namespace) -> int:
@@ -94,6 +97,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--timed", action="store_true", help="also time a second forward + backward")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--case", help=argparse.SUPPRESS)  # "case,dtype": one case in this process
@@ -103,18 +108,21 @@ def main() -> None:
         return
     rows = []
     for dtype_name in o.dtypes.split(","):
-        for case in CASES:
+        for case in o.cases.split(","):
             cmd = [sys.executable, __file__, "--case", f"{case},{dtype_name}", "--tokens", str(o.tokens),
-                   "--hidden", str(o.hidden), "--vocab", str(o.vocab), "--device", o.device]
+                   "--hidden", str(o.hidden), "--vocab", str(o.vocab), "--device", o.device,
+                   *(["--timed"] if o.timed else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if proc.returncode:
                 sys.exit(f"head_memory case {case} {dtype_name} failed:\n{proc.stderr[-2000:]}")
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row["planned_bytes"] = planned(case, dtype_name, o)
             rows.append(row)
+            secs = (f"{row['seconds']:.2f} s" if "seconds" in row
+                    else f"{row['first_seconds']:.2f} s (counted)")
             print(f"{dtype_name} {case:8s} peak tensors {row['peak_tensor_bytes'] / 2**20:8.1f} MiB "
                   f"(planner {row['planned_bytes'] / 2**20:8.1f} MiB), peak RSS +"
-                  f"{row['peak_rss_growth_bytes'] / 2**20:8.1f} MiB, {row['seconds']:.2f} s fwd+bwd")
+                  f"{row['peak_rss_growth_bytes'] / 2**20:8.1f} MiB, fwd+bwd {secs}")
             sys.stdout.flush()
     if o.json:
         Path(o.json).write_text(json.dumps({"tokens": o.tokens, "hidden": o.hidden, "vocab": o.vocab,
