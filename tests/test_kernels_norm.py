@@ -94,3 +94,30 @@ def test_fused_norm_dispatches_fewer_ops(placement: str, saved: int) -> None:
 
     per_layer = {spec: count(2, spec) - count(1, spec) for spec in ("none", "norm")}
     assert per_layer["none"] - per_layer["norm"] == saved, per_layer
+
+
+@pytest.mark.parametrize("placement", ["post", "pre"])
+def test_a_probe_sees_the_whole_gradient_of_the_residual_sum(placement: str) -> None:
+    """collapse_metrics hooks Y_k's gradient on measured steps: there the block adds and normalises
+    unfused, so the hook sees dL/dY whole (the fused Function would keep the norm's part inside)."""
+    from megapost.model import set_listener
+
+    def grads(spec: str) -> list[torch.Tensor]:
+        cfg = ModelConfig(vocab_size=96, num_layers=2, hidden_size=D, ffn_hidden_size=96,
+                          num_attention_heads=4, seq_length=16, norm_position=placement)
+        torch.manual_seed(0)
+        model = LlamaModel(cfg)
+        set_kernel_fusion(model, parse_fusion(spec))
+        seen: list[torch.Tensor] = []
+
+        def listener(_name: tuple, **t: torch.Tensor | None) -> None:
+            if t.get("y") is not None:
+                t["y"].register_hook(seen.append)
+
+        set_listener(model, listener)
+        tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(tokens).square().mean().backward()
+        return seen
+
+    want, got = grads("none"), grads("norm")
+    assert len(want) == 4 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -47,10 +47,12 @@ class TransformerBlock(nn.Module):
         self.probe_ffn = Probe(("layer", layer_number, "ffn"))
 
     @staticmethod
-    def _add(x: torch.Tensor, h: torch.Tensor, scale: float,
-             norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(Y = scale * x + h, norm(Y) or None); RMSNorm fuses the add in (``RMSNorm(x, h, scale)``)."""
-        if isinstance(norm, RMSNorm):
+    def _add(x: torch.Tensor, h: torch.Tensor, scale: float, norm: nn.Module | None,
+             observed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Y = scale * x + h, norm(Y) or None); RMSNorm fuses the add in (``RMSNorm(x, h, scale)``)
+        unless a probe listener sees Y: a hook on Y must see its whole gradient, which the fused
+        Function keeps inside (bit-identical either way)."""
+        if isinstance(norm, RMSNorm) and not observed:
             return norm(x, h, scale)
         y = x + h if scale == 1.0 else x * scale + h
         return y, (norm(y) if norm is not None else None)
@@ -68,7 +70,8 @@ class TransformerBlock(nn.Module):
         h = fn(h)
         if out_norm is not None:
             h = out_norm(h)
-        y, out = self._add(x, h, rule.residual_scale, norm if rule.post_norm else next_norm)
+        y, out = self._add(x, h, rule.residual_scale, norm if rule.post_norm else next_norm,
+                           observed=probe.listener is not None)
         norm_in = {"x": x, "y": y}.get(rule.norm_input) if self.measures_rms else None
         probe(x=x, y=y, out=out if rule.post_norm else None, norm_in=norm_in)
         return (out, None) if rule.post_norm else (y, out)
