@@ -84,8 +84,6 @@ def planned(case: str, dtype_name: str, o: argparse.Namespace) -> int:
                       norm_position="post", num_layers=1)
     chunk = CHUNK_ELEMENTS.get(o.device, DEFAULT_CHUNK_ELEMENTS) if case == "chunked" else None
     e = 4 if dtype_name == "fp32" else 2
-    if case == "chunked" and e == 4:  # the planner prices fp32 unfused (auto runs ce outside fp32 only)
-        return -1
     saved, transient = head_bytes(cfg, 1, 1, False, e, block_elements=BLOCK_ELEMENTS.get(
         o.device, DEFAULT_BLOCK_ELEMENTS), chunk_elements=chunk)
     return saved - e * o.tokens * o.hidden + transient  # the input x is not counted (held before)

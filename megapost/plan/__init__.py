@@ -21,7 +21,7 @@ __all__ = ["Layout", "ParameterCounts", "Precision", "RankMemory", "parameter_co
 def precision_from_ds_config(ds_config: dict[str, Any], fused_adam: bool = True,
                              norm_kernel: str = "fused",
                              loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
-                             packed: bool = True, chunked_ce: bool = True,
+                             packed: bool = True, chunked_ce: bool | None = None,
                              ce_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Precision:
     """The settings of a (generated) DeepSpeed config that change memory."""
     zero = ds_config.get("zero_optimization", {})
@@ -47,7 +47,8 @@ def planned_rank_peak(cfg: ModelConfig, data: DataConfig, runtime: RuntimeConfig
     kernel = ("apex" if _ApexRMSNorm is not None else "fused") if cuda else "composite"
     block = BLOCK_ELEMENTS.get("cuda" if cuda else "cpu", DEFAULT_BLOCK_ELEMENTS)
     packed = runtime.kernel_fusion == "auto"  # an explicit --kernel-fusion list: priced unpacked
-    chunked = parse_fusion(runtime.kernel_fusion).on("ce", torch.bfloat16)  # non-fp32 only (head_bytes)
+    fusion = parse_fusion(runtime.kernel_fusion)
+    chunked = None if fusion.names is None else "ce" in fusion.names  # None: auto, outside fp32
     chunk = CHUNK_ELEMENTS.get("cuda" if cuda else "cpu", DEFAULT_CHUNK_ELEMENTS)
     prec = precision_from_ds_config(ds_config, norm_kernel=kernel, loss_block_elements=block, packed=packed,
                                     chunked_ce=chunked, ce_chunk_elements=chunk)
