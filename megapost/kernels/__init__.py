@@ -1,7 +1,8 @@
 """Fused training kernels for the model: fewer, bigger ops per layer (one GEMM for several
-projections, RoPE and SwiGLU as autograd Functions with hand-written backwards). Plain torch ops
-only, no torch.compile; each is checked against the unfused path in tests/test_kernels.py. Which ones
-run is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
+projections, RoPE, SwiGLU and the residual add + RMSNorm as autograd Functions with hand-written
+backwards) and the LM head + cross-entropy chunked over tokens (no full logits). Plain torch ops only,
+no torch.compile; each is checked against the unfused path in tests/test_kernels*.py. Which ones run
+is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
 
 Imports nothing of megapost but utils (pyproject.toml's contracts)."""
 
