@@ -28,7 +28,7 @@ def run(argv: Sequence[str], faults: FaultInjector = NO_FAULTS,
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
     log line shows the measured peak beside the planner's prediction (slower; for CPU checks). A bare
     ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py). ``faults``:
-    a test harness's (tests/fault_pretrain.py), none in production; ``progress``: the run's interrupt
+    a test harness's (tools/fault_pretrain.py), none in production; ``progress``: the run's interrupt
     state (``main``'s, which prints its line on Ctrl-C)."""
     note = adopt_slurm_env()
     if note and os.environ["RANK"] == "0":

@@ -161,8 +161,6 @@ class Config:
     runtime: RuntimeConfig
     engine: EngineConfig
     plugins: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-    flags: MappingProxyType = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    # ``flags``: every parsed flag by dest, read only by megapost.checkpoint until it reads the sections
 
     def to_json(self) -> dict[str, Any]:
         """``args.json``'s sections (megapost.config.launches): each section's fields by name, the
@@ -297,7 +295,4 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str,
     return Config(
         model=model, parallel=parallel, data=_data(a), optimizer=_optimizer(a), checkpoint=_checkpoint(a),
         logging=_logging(a), runtime=_runtime(a), engine=engine, plugins=MappingProxyType(plugins),
-        flags=MappingProxyType({**{k: v for k, v in vars(a).items() if k != "explicit"},
-                                "zero_stage": engine.zero_stage,
-                                "overlap_grad_reduce": engine.overlap_grad_reduce}),
     )
