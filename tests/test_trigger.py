@@ -27,6 +27,23 @@ def test_wilson_matches_published_intervals():
     assert all(math.isnan(v) for v in trigger.wilson(0, 0))
 
 
+def test_poisson_interval_is_the_exact_one():
+    # exact 95 % (Garwood, chi-square quantiles / 2): k = 0 -> [0, 3.689]; 1 -> [0.0253, 5.572];
+    # 10 -> [4.795, 18.39]
+    for k, lo, hi in ((0, 0.0, 3.689), (1, 0.0253, 5.572), (10, 4.795, 18.39)):
+        got = trigger.poisson_interval(k)
+        assert got[0] == pytest.approx(lo, rel=2e-3, abs=1e-9) and got[1] == pytest.approx(hi, rel=2e-3)
+
+
+def test_hazard_counts_the_steps_each_replica_was_at_risk():
+    # snapshot 900: two collapse at 1000 and 1100 (100 + 200 steps at risk), one survives to 1300
+    # (confirmable to 1200: 300 steps) -> 2 events / 600 steps = 0.333 per 100 steps
+    records = [rec(900, 0, True), {**rec(900, 1, True), "event_step": 1100}, rec(900, 2, False)]
+    (row,) = trigger.decision_table(records)
+    assert row["risk_steps"] == 600 and row["hazard"] == pytest.approx(100 * 2 / 600)
+    assert row["hazard_hi"] == pytest.approx(100 * trigger.poisson_interval(2)[1] / 600)
+
+
 def test_sign_test_is_the_exact_binomial_tail():
     assert trigger.sign_test(0, 5) == pytest.approx(2 / 32)  # 2 * (1/2)^5
     assert trigger.sign_test(1, 5) == pytest.approx(2 * 7 / 64)  # 2 * (1 + 6) / 2^6

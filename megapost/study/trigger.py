@@ -33,6 +33,7 @@ import numpy as np
 
 SCHEMA, VERSION = "megapost.trigger", 1
 CONTROL = "none"
+SUSTAIN = 100  # events.Criterion().sustain: a collapse is confirmed K steps after its start
 Z95 = 1.959963984540054
 # the regression's features: (key in a record's "features", transform, label)
 FEATURES: tuple[tuple[str, str, str], ...] = (
@@ -52,6 +53,28 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _poisson_cdf(k: int, mean: float) -> float:
+    """P(X <= k) for X ~ Poisson(mean)."""
+    term = total = math.exp(-mean)
+    for i in range(1, k + 1):
+        term *= mean / i
+        total += term
+    return total
+
+
+def poisson_interval(k: int, alpha: float = 0.05) -> tuple[float, float]:
+    """The exact (Garwood) interval of a Poisson count k, by bisection on the Poisson CDF."""
+    def solve(f: Any) -> float:  # f decreasing in the mean, root in [0, hi]
+        lo, hi = 0.0, 10.0 + 10.0 * k
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(lambda m: _poisson_cdf(k - 1, m) - (1 - alpha / 2))
+    return lower, solve(lambda m: _poisson_cdf(k, m) - alpha / 2)
 
 
 def sign_test(a: int, b: int) -> float:
@@ -105,8 +128,17 @@ def controls(records: Iterable[Record]) -> list[Record]:
     return [r for r in records if r["intervention"] == CONTROL]
 
 
+def risk_steps(record: Record, sustain: int = SUSTAIN) -> int:
+    """Steps from the snapshot to the event, or to the last step at which a collapse could still be
+    confirmed (``events``: the last step minus K)."""
+    end = int(record["event_step"]) if collapsed(record) else int(record["last_step"]) - sustain
+    return max(0, end - int(record["snapshot"]))
+
+
 def decision_table(records: Iterable[Record]) -> list[dict[str, Any]]:
-    """Per snapshot step (ascending): n control replicas, k collapsed, P, Wilson interval, event steps."""
+    """Per snapshot step (ascending): n control replicas, k collapsed, P, Wilson interval, event steps,
+    and the hazard per 100 steps after the snapshot (events / steps at risk, Poisson interval): a later
+    snapshot has fewer steps left before the end, so its P(collapse by the end) is lower at one hazard."""
     by_step: dict[int, list[Record]] = {}
     for r in controls(records):
         by_step.setdefault(int(r["snapshot"]), []).append(r)
@@ -115,8 +147,13 @@ def decision_table(records: Iterable[Record]) -> list[dict[str, Any]]:
         reps = by_step[step]
         k, n = sum(collapsed(r) for r in reps), len(reps)
         lo, hi = wilson(k, n)
+        risk = sum(risk_steps(r) for r in reps)
+        hlo, hhi = poisson_interval(k)
         rows.append({"snapshot": step, "n": n, "collapsed": k, "p": k / n, "lo": lo, "hi": hi,
-                     "event_steps": sorted(int(r["event_step"]) for r in reps if collapsed(r))})
+                     "event_steps": sorted(int(r["event_step"]) for r in reps if collapsed(r)),
+                     "risk_steps": risk, "hazard": 100 * k / risk if risk else math.nan,
+                     "hazard_lo": 100 * hlo / risk if risk else math.nan,
+                     "hazard_hi": 100 * hhi / risk if risk else math.nan})
     return rows
 
 
@@ -257,12 +294,13 @@ def summary(records: Sequence[Record]) -> dict[str, Any]:
 
 def markdown(summ: Mapping[str, Any]) -> str:
     """The three tables of ``summary`` as markdown."""
-    lines = ["| snapshot step | collapsed / replicas | P(collapse) | 95 % | event steps |",
-             "|---|---|---|---|---|"]
+    lines = ["| snapshot step | collapsed / replicas | P(collapse) | 95 % | hazard / 100 steps | 95 % | "
+             "event steps |", "|---|---|---|---|---|---|---|"]
     for r in summ["decision"]:
         steps = ", ".join(map(str, r["event_steps"])) or "–"
         lines.append(f"| {r['snapshot']} | {r['collapsed']}/{r['n']} | {r['p']:.2f} | "
-                     f"{_ci(r['lo'], r['hi'])} | {steps} |")
+                     f"{_ci(r['lo'], r['hi'])} | {r['hazard']:.2f} | {_ci(r['hazard_lo'], r['hazard_hi'])} | "
+                     f"{steps} |")
     d = summ["decided"]
     lines += ["", f"Decided ({d['outcome'] or 'not decided'}, P beyond {d['level']:g} from here on): "
               f"snapshot step {d['step'] if d['step'] is not None else '–'}", "",
