@@ -154,3 +154,31 @@ def test_markdown_shows_every_table():
     assert "| 500 | 3/6 | 0.50 |" in text
     assert "| 500 | eps1e-6 | 2/3 |" in text
     assert "Logistic regression" in text and "| resid_deep |" in text
+
+
+def test_final_gap_is_the_trailing_mean_and_healthy_needs_it_below_the_learned_gap():
+    # last 5 measured losses 6.1 .. 6.5 (one missing before them): mean 6.3, L = 6.5 -> -0.2
+    assert trigger.final_gap([None, 6.0, 6.1, 6.2, 6.3, 6.4, 6.5], 6.5) == pytest.approx(-0.2)
+    assert trigger.final_gap([None, float("nan")], 6.5) is None
+    assert not trigger.healthy({**rec(700, 1, False), "final_gap": -0.2})
+    assert trigger.healthy({**rec(700, 1, False), "final_gap": -0.4})
+    assert not trigger.healthy({**rec(700, 1, True), "final_gap": -0.4})  # collapsed
+    assert not trigger.healthy(rec(700, 1, False))  # no final gap recorded
+
+
+def test_series_names_match_the_runner_files():
+    assert trigger.series_name(rec(850, 0, True)) == "base"
+    assert trigger.series_name(rec(850, 0, True, "eps1e-6")) == "S850_r0_eps1e-6"
+    assert trigger.series_name(rec(850, 3, False)) == "S850_r3_none"
+
+
+def test_health_is_counted_per_snapshot_and_per_pair():
+    gaps = [-0.5, -0.1, 0.05, 0.2]  # one healthy survivor, one survivor at the plateau, two collapsed
+    controls = [{**rec(700, r, r >= 2), "final_gap": g} for r, g in enumerate(gaps)]
+    (row,) = trigger.decision_table(controls)
+    assert (row["healthy"], row["n"]) == (1, 4) and row["median_final_gap"] == pytest.approx(-0.025)
+    treated = [{**rec(700, r, False, "freeze_gains"), "final_gap": g}
+               for r, g in enumerate([-0.6, -0.4, -0.05, -0.35])]  # healthy: replicas 0, 1, 3
+    (res,) = trigger.rescues(controls + treated)
+    assert (res["healthy"], res["control_healthy"], res["to_health"]) == (3, 1, 2)
+    assert (res["at_risk"], res["rescued"]) == (2, 2)

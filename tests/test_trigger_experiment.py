@@ -46,6 +46,13 @@ def test_replicas_replay_exactly_differ_by_data_and_interventions_act(tiny_data,
     feats = by[(6, 1, "none")]["features"]
     assert len(feats["resid"]) == len(feats["attn_s"]) == 2 and feats["attn_s_top"] == feats["attn_s"][-1]
     assert feats["adam_v_first"] > 0 and 0 <= feats["one_minus_tsim"] <= 1
+    def rows(name):
+        return [line.split(",") for line in (out / "series" / f"{name}.csv").read_text().splitlines()[1:]]
+
+    base, own = rows("base"), rows("S6_r1_freeze_gains")
+    last5 = [float(r[1]) for r in base if int(r[0]) in (4, 6)] + [float(r[1]) for r in own]  # steps 4-12
+    treated = by[(6, 1, "freeze_gains")]
+    assert treated["final_gap"] == pytest.approx(sum(last5) / 5 - treated["freq_loss"], abs=1e-5)
     series = (out / "series" / "S6_r1_freeze_gains.csv").read_text().splitlines()
     assert series[0] == "step,loss,t_sim_head,grad_ratio" and [int(s.split(",")[0]) for s in series[1:]] == \
         [8, 10, 12]

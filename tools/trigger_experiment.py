@@ -22,6 +22,7 @@ outcome of a replica is ``megapost.study.events``' rule; the analysis ``megapost
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shutil
@@ -168,10 +169,25 @@ def run(args: argparse.Namespace) -> int:
     return report([out], None)
 
 
+def with_final_gap(folder: Path, records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Records written before ``final_gap`` was recorded get it from their series file (the same
+    trailing mean; a replica's file holds its own steps, the base's its whole run)."""
+    out = []
+    for rec in records:
+        path = folder / "series" / f"{trigger.series_name(rec)}.csv"
+        if "final_gap" not in rec and path.is_file():
+            rows = list(csv.DictReader(path.open(encoding="utf-8")))
+            losses = [float(r["loss"]) if r["loss"] else None for r in rows]
+            rec = {**rec, "final_gap": trigger.final_gap(losses, float(rec["freq_loss"]))}
+        out.append(rec)
+    return out
+
+
 def report(folders: Sequence[Path], keep: str | None) -> int:
     """The summary of the records of ``folders`` (merged; written to the first)."""
     folder = folders[0]
-    records, conflicts = trigger.merge([trigger.read_records(f / "replicas.jsonl") for f in folders])
+    records, conflicts = trigger.merge([with_final_gap(f, trigger.read_records(f / "replicas.jsonl"))
+                                        for f in folders])
     for line in conflicts:
         print(f"trigger_experiment: {line}", file=sys.stderr)
     if len(folders) > 1:

@@ -35,7 +35,7 @@ import torch
 
 from megapost.plugin_api import Plugin
 from megapost.study.events import DELAYED, from_series
-from megapost.study.trigger import CONTROL, SCHEMA, VERSION
+from megapost.study.trigger import CONTROL, SCHEMA, VERSION, final_gap, series_name
 from megapost.utils.atomic import atomic_write_text
 
 INTERVENTIONS = (CONTROL, "wo_lr0.1", "eps1e-6", "freeze_gains", "replay")  # replay: none, replayed
@@ -223,13 +223,12 @@ class Controller(Plugin):
                "end_step": self.plan.end_step, "last_step": self.series[-1][0], "event": ev.kind,
                "event_step": ev.step, "learned_step": ev.learned_step, "freq_loss": self.freq_loss,
                "final_loss": self.series[-1][1], "final_tsim": self.series[-1][2],
+               "final_gap": final_gap([row[1] for row in self.series], self.freq_loss),
                "features": features or {}, "snapshot_features": snap["features"] or {},
                "seconds": round(time.monotonic() - self.started, 1)}
         append_record(self.out / "replicas.jsonl", rec)
-        own = self.series if job.replica == 0 and job.intervention == CONTROL else \
-            [row for row in self.series if row[0] > job.snapshot]
-        name = "base" if job.replica == 0 and job.intervention == CONTROL else \
-            f"S{job.snapshot}_r{job.replica}_{job.intervention}"
+        name = series_name(rec)
+        own = self.series if name == "base" else [row for row in self.series if row[0] > job.snapshot]
         write_series(self.out / "series" / f"{name}.csv", own)
         self.plan.done.add(job)
         left = len(self.queue)

@@ -31,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from megapost.study.events import DEFAULT as CRITERION
+
 SCHEMA, VERSION = "megapost.trigger", 1
 CONTROL = "none"
-SUSTAIN = 100  # events.Criterion().sustain: a collapse is confirmed K steps after its start
+SUSTAIN = CRITERION.sustain  # a collapse is confirmed K steps after its start
 Z95 = 1.959963984540054
 # the regression's features: (key in a record's "features", transform, label)
 FEATURES: tuple[tuple[str, str, str], ...] = (
@@ -88,6 +90,27 @@ def sign_test(a: int, b: int) -> float:
 
 def collapsed(record: Record) -> bool:
     return record["event"] == "delayed"
+
+
+def final_gap(losses: Sequence[float | None], freq_loss: float) -> float | None:
+    """The mean of the last ``events`` window (5) of measured losses minus L (None without a loss)."""
+    tail = [v for v in losses[-CRITERION.window:] if v is not None and math.isfinite(v)]
+    return sum(tail) / len(tail) - freq_loss if tail else None
+
+
+def series_name(record: Record) -> str:
+    """The name of a record's series file, ``series/<name>.csv``: ``base`` for the base run (replica 0
+    without intervention), else ``S<snapshot>_r<replica>_<intervention>``."""
+    if int(record["replica"]) == 0 and record["intervention"] == CONTROL:
+        return "base"
+    return f"S{record['snapshot']}_r{record['replica']}_{record['intervention']}"
+
+
+def healthy(record: Record) -> bool:
+    """Not collapsed and learning at the end: the trailing loss (``final_gap``, the mean of the last
+    ``events`` window of measured losses, minus L) at least ``learned_gap`` (0.3 nats) below L."""
+    gap = record.get("final_gap")
+    return not collapsed(record) and gap is not None and gap <= -CRITERION.learned_gap
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -149,7 +172,11 @@ def decision_table(records: Iterable[Record]) -> list[dict[str, Any]]:
         lo, hi = wilson(k, n)
         risk = sum(risk_steps(r) for r in reps)
         hlo, hhi = poisson_interval(k)
+        h = sum(healthy(r) for r in reps)
+        gaps = [float(r["final_gap"]) for r in reps if r.get("final_gap") is not None]
         rows.append({"snapshot": step, "n": n, "collapsed": k, "p": k / n, "lo": lo, "hi": hi,
+                     "healthy": h, "healthy_ci": wilson(h, n),
+                     "median_final_gap": float(np.median(gaps)) if gaps else math.nan,
                      "event_steps": sorted(int(r["event_step"]) for r in reps if collapsed(r)),
                      "risk_steps": risk, "hazard": 100 * k / risk if risk else math.nan,
                      "hazard_lo": 100 * hlo / risk if risk else math.nan,
@@ -274,10 +301,14 @@ def rescues(records: Iterable[Record]) -> list[dict[str, Any]]:
         rescued = sum(not collapsed(t) for _, t in risk)
         harmed = sum(collapsed(t) for c, t in pairs if not collapsed(c))
         k_t, k_c, n = sum(collapsed(t) for _, t in pairs), sum(collapsed(c) for c, _ in pairs), len(pairs)
+        to_health = sum(healthy(t) and not healthy(c) for c, t in pairs)
+        h_t, h_c = sum(healthy(t) for _, t in pairs), sum(healthy(c) for c, _ in pairs)
         rows.append({"snapshot": step, "intervention": name, "pairs": n, "at_risk": len(risk),
                      "rescued": rescued, "rescued_ci": wilson(rescued, len(risk)), "harmed": harmed,
                      "collapsed": k_t, "collapsed_ci": wilson(k_t, n), "control_collapsed": k_c,
-                     "control_ci": wilson(k_c, n), "sign_test_p": sign_test(rescued, harmed)})
+                     "control_ci": wilson(k_c, n), "sign_test_p": sign_test(rescued, harmed),
+                     "healthy": h_t, "healthy_ci": wilson(h_t, n), "control_healthy": h_c,
+                     "to_health": to_health})
     return rows
 
 
@@ -295,11 +326,13 @@ def summary(records: Sequence[Record]) -> dict[str, Any]:
 def markdown(summ: Mapping[str, Any]) -> str:
     """The three tables of ``summary`` as markdown."""
     lines = ["| snapshot step | collapsed / replicas | P(collapse) | 95 % | hazard / 100 steps | 95 % | "
-             "event steps |", "|---|---|---|---|---|---|---|"]
+             "ends healthy | 95 % | median final gap | event steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summ["decision"]:
         steps = ", ".join(map(str, r["event_steps"])) or "–"
         lines.append(f"| {r['snapshot']} | {r['collapsed']}/{r['n']} | {r['p']:.2f} | "
                      f"{_ci(r['lo'], r['hi'])} | {r['hazard']:.2f} | {_ci(r['hazard_lo'], r['hazard_hi'])} | "
+                     f"{r['healthy']}/{r['n']} | {_ci(*r['healthy_ci'])} | {r['median_final_gap']:+.2f} | "
                      f"{steps} |")
     d = summ["decided"]
     lines += ["", f"Decided ({d['outcome'] or 'not decided'}, P beyond {d['level']:g} from here on): "
@@ -315,10 +348,12 @@ def markdown(summ: Mapping[str, Any]) -> str:
         for t, c, lo, hi in zip(reg["terms"], reg["coef"], reg["lo"], reg["hi"], strict=True):
             lines.append(f"| {t} | {c:+.2f} | [{lo:+.2f}, {hi:+.2f}] |")
     lines += ["", "| snapshot | intervention | rescued / collapsing controls | 95 % | harmed | P(collapse) "
-              "treated | control | sign test p |", "|---|---|---|---|---|---|---|---|"]
+              "treated | control | sign test p | ends healthy treated | control |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summ["rescues"]:
         lines.append(f"| {r['snapshot']} | {r['intervention']} | {r['rescued']}/{r['at_risk']} | "
                      f"{_ci(*r['rescued_ci'])} | {r['harmed']} | {r['collapsed']}/{r['pairs']} "
                      f"{_ci(*r['collapsed_ci'])} | {r['control_collapsed']}/{r['pairs']} | "
-                     f"{r['sign_test_p']:.3g} |")
+                     f"{r['sign_test_p']:.3g} | {r['healthy']}/{r['pairs']} {_ci(*r['healthy_ci'])} | "
+                     f"{r['control_healthy']}/{r['pairs']} |")
     return "\n".join(lines) + "\n"
