@@ -57,12 +57,15 @@ def test_decision_table_counts_controls_only_and_finds_where_it_is_decided():
     table = trigger.decision_table(records)
     assert [(r["snapshot"], r["collapsed"], r["n"]) for r in table] == [(500, 2, 8), (800, 7, 8), (900, 8, 8)]
     assert table[2]["event_steps"] == [1000] * 8
-    assert trigger.decided_from(table) == {"outcome": "collapse", "step": 900, "level": 0.9}
+    assert trigger.decided_from(table) == {"outcome": "yes", "step": 900, "level": 0.9, "key": "p"}
     assert trigger.decided_from(table, level=0.85)["step"] == 800  # 7/8 = 0.875
     open_end = table[:1]
     assert trigger.decided_from(open_end)["outcome"] is None
     survive = [{"snapshot": 1, "p": 0.0}, {"snapshot": 2, "p": 0.05}]
-    assert trigger.decided_from(survive) == {"outcome": "survival", "step": 1, "level": 0.9}
+    assert trigger.decided_from(survive) == {"outcome": "no", "step": 1, "level": 0.9, "key": "p"}
+    # no final gap recorded: nobody is healthy, so "lost" is decided from the first snapshot
+    assert [r["p_lost"] for r in table] == [1.0, 1.0, 1.0]
+    assert trigger.decided_from(table, key="p_lost")["step"] == 500
 
 
 def test_stratified_auc_compares_only_replicas_of_one_snapshot():
@@ -85,6 +88,8 @@ def test_separation_names_the_feature_that_separates_within_snapshots():
             records.append(rec(s, r, c, resid_deep=(100.0 if c else 10.0) * (1 + r / 100), attn_s_top=1.0 + r,
                                one_minus_tsim=0.5, adam_v_first=None))
     out = {s["feature"]: s for s in trigger.separation(records, draws=200)}
+    lost = {s["feature"]: s for s in trigger.separation(records, draws=10, outcome=trigger.lost)}
+    assert lost["resid_deep"]["pairs"] == 0  # no final gap: every replica is lost, nothing to compare
     assert out["resid_deep"]["auc"] == 1.0 and out["resid_deep"]["pairs"] == 18
     assert out["one_minus_tsim"]["auc"] == 0.5  # all equal: ties
     assert out["attn_s_top"]["auc"] == 0.0  # collapsed replicas r < 3 have the smaller values

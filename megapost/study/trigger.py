@@ -177,6 +177,7 @@ def decision_table(records: Iterable[Record]) -> list[dict[str, Any]]:
         rows.append({"snapshot": step, "n": n, "collapsed": k, "p": k / n, "lo": lo, "hi": hi,
                      "healthy": h, "healthy_ci": wilson(h, n),
                      "median_final_gap": float(np.median(gaps)) if gaps else math.nan,
+                     "p_lost": 1 - h / n,
                      "event_steps": sorted(int(r["event_step"]) for r in reps if collapsed(r)),
                      "risk_steps": risk, "hazard": 100 * k / risk if risk else math.nan,
                      "hazard_lo": 100 * hlo / risk if risk else math.nan,
@@ -184,18 +185,20 @@ def decision_table(records: Iterable[Record]) -> list[dict[str, Any]]:
     return rows
 
 
-def decided_from(table: Sequence[Mapping[str, Any]], level: float = 0.9) -> dict[str, Any]:
-    """The earliest snapshot step from which every later one has P >= ``level`` (collapse decided) or
-    every later one P <= 1 - ``level`` (survival decided); None when the last snapshot is still open."""
-    for outcome, test in (("collapse", lambda p: p >= level), ("survival", lambda p: p <= 1 - level)):
+def decided_from(table: Sequence[Mapping[str, Any]], level: float = 0.9,
+                 key: str = "p") -> dict[str, Any]:
+    """The earliest snapshot step from which every later one has ``row[key]`` (P(collapse by the end);
+    ``p_lost``: P(not healthy at the end)) >= ``level`` (decided: yes) or every later one <= 1 - ``level``
+    (decided: no); None when the last snapshot is still open."""
+    for outcome, test in (("yes", lambda p: p >= level), ("no", lambda p: p <= 1 - level)):
         step = None
         for row in reversed(table):
-            if not test(row["p"]):
+            if not test(row[key]):
                 break
             step = row["snapshot"]
         if step is not None:
-            return {"outcome": outcome, "step": step, "level": level}
-    return {"outcome": None, "step": None, "level": level}
+            return {"outcome": outcome, "step": step, "level": level, "key": key}
+    return {"outcome": None, "step": None, "level": level, "key": key}
 
 
 def feature_matrix(records: Sequence[Record]) -> np.ndarray:
@@ -222,11 +225,20 @@ def stratified_auc(x: np.ndarray, y: np.ndarray, strata: np.ndarray) -> float:
     return wins / pairs if pairs else math.nan
 
 
-def separation(records: Sequence[Record], draws: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+def lost(record: Record) -> bool:
+    """Not healthy at the end: collapsed, or on the plateau near L."""
+    return not healthy(record)
+
+
+OUTCOMES = {"collapsed": collapsed, "lost": lost}
+
+
+def separation(records: Sequence[Record], draws: int = 1000, seed: int = 0,
+               outcome: Any = collapsed) -> list[dict[str, Any]]:
     """Per feature: the within-snapshot AUC over the control replicas with a 95 % stratified bootstrap
     interval (replicas resampled within each snapshot), and the number of mixed pairs it rests on."""
     recs = controls(records)
-    x_all, y = feature_matrix(recs), np.array([int(collapsed(r)) for r in recs])
+    x_all, y = feature_matrix(recs), np.array([int(outcome(r)) for r in recs])
     strata = np.array([int(r["snapshot"]) for r in recs])
     rng = np.random.default_rng(seed)
     out = []
@@ -273,11 +285,12 @@ def logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-2, iters: int = 100
             "ridge": ridge}
 
 
-def regression(records: Sequence[Record], ridge: float = 1e-2) -> dict[str, Any] | None:
+def regression(records: Sequence[Record], ridge: float = 1e-2,
+               outcome: Any = collapsed) -> dict[str, Any] | None:
     """``logistic`` of the control replicas' outcome on every feature (rows with all features finite);
     None when the outcomes do not vary."""
     recs = controls(records)
-    x, y = feature_matrix(recs), np.array([float(collapsed(r)) for r in recs])
+    x, y = feature_matrix(recs), np.array([float(outcome(r)) for r in recs])
     ok = np.all(np.isfinite(x), axis=1)
     if ok.sum() < 3 or y[ok].min() == y[ok].max():
         return None
@@ -319,8 +332,11 @@ def _ci(lo: float, hi: float) -> str:
 def summary(records: Sequence[Record]) -> dict[str, Any]:
     table = decision_table(records)
     return {"schema": SCHEMA + ".summary", "version": VERSION, "replicas": len(records),
-            "decision": table, "decided": decided_from(table), "separation": separation(records),
-            "regression": regression(records), "rescues": rescues(records)}
+            "decision": table,
+            "decided": {"collapsed": decided_from(table), "lost": decided_from(table, key="p_lost")},
+            "separation": {k: separation(records, outcome=f) for k, f in OUTCOMES.items()},
+            "regression": {k: regression(records, outcome=f) for k, f in OUTCOMES.items()},
+            "rescues": rescues(records)}
 
 
 def markdown(summ: Mapping[str, Any]) -> str:
@@ -334,16 +350,21 @@ def markdown(summ: Mapping[str, Any]) -> str:
                      f"{_ci(r['lo'], r['hi'])} | {r['hazard']:.2f} | {_ci(r['hazard_lo'], r['hazard_hi'])} | "
                      f"{r['healthy']}/{r['n']} | {_ci(*r['healthy_ci'])} | {r['median_final_gap']:+.2f} | "
                      f"{steps} |")
-    d = summ["decided"]
-    lines += ["", f"Decided ({d['outcome'] or 'not decided'}, P beyond {d['level']:g} from here on): "
-              f"snapshot step {d['step'] if d['step'] is not None else '–'}", "",
-              "| feature | within-snapshot AUC | 95 % (bootstrap) | mixed pairs |", "|---|---|---|---|"]
-    for s in summ["separation"]:
-        lines.append(f"| {s['label']} | {s['auc']:.2f} | {_ci(s['lo'], s['hi'])} | {s['pairs']} |")
-    reg = summ["regression"]
-    if reg is not None:
-        lines += ["", f"Logistic regression (pooled control replicas, n {reg['n']}, {reg['events']} "
-                  f"collapsed, ridge {reg['ridge']:g}; per SD of the feature):", "",
+    for name, d in summ["decided"].items():
+        bound = f">= {d['level']:g}" if d["outcome"] != "no" else f"<= {1 - d['level']:g}"
+        when = f"from snapshot step {d['step']}" if d["step"] is not None else "not by the last snapshot"
+        lines += ["", f"Decided ({name}: P {bound} at every later snapshot): {when}"]
+    sep = summ["separation"]
+    lines += ["", "| feature | AUC, collapsed by the end | 95 % | mixed pairs | AUC, lost (not healthy) | "
+              "95 % | mixed pairs |", "|---|---|---|---|---|---|---|"]
+    for a, b in zip(sep["collapsed"], sep["lost"], strict=True):
+        lines.append(f"| {a['label']} | {a['auc']:.2f} | {_ci(a['lo'], a['hi'])} | {a['pairs']} | "
+                     f"{b['auc']:.2f} | {_ci(b['lo'], b['hi'])} | {b['pairs']} |")
+    for name, reg in summ["regression"].items():
+        if reg is None:
+            continue
+        lines += ["", f"Logistic regression of {name} (pooled control replicas, n {reg['n']}, "
+                  f"{reg['events']} {name}, ridge {reg['ridge']:g}; per SD of the feature):", "",
                   "| term | coef | 95 % (Wald) |", "|---|---|---|"]
         for t, c, lo, hi in zip(reg["terms"], reg["coef"], reg["lo"], reg["hi"], strict=True):
             lines.append(f"| {t} | {c:+.2f} | [{lo:+.2f}, {hi:+.2f}] |")
