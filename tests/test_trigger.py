@@ -187,3 +187,12 @@ def test_health_is_counted_per_snapshot_and_per_pair():
     (res,) = trigger.rescues(controls + treated)
     assert (res["healthy"], res["control_healthy"], res["to_health"]) == (3, 1, 2)
     assert (res["at_risk"], res["rescued"]) == (2, 2)
+
+
+def test_base_table_shows_the_base_state_once_per_snapshot():
+    state = {"loss": 6.2, "t_sim_head": 0.45, "grad_ratio": 6.6, "resid": [105.0, 277.0], "resid_deep": 277.0,
+             "attn_s": [2.3, 0.6], "attn_s_top": 0.6, "adam_v_first": 1e-7}
+    records = [{**rec(700, r, r == 0), "snapshot_features": state, "freq_loss": 6.5} for r in range(3)]
+    summ = trigger.summary(records)
+    assert summ["base"] == [{"snapshot": 700, **state}]
+    assert "| 700 | -0.30 | 0.45 | 6.6 | 105 / 277 | 2.3 / 0.6 | 1e-07 |" in trigger.markdown(summ)

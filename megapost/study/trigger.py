@@ -329,6 +329,35 @@ def _ci(lo: float, hi: float) -> str:
     return "–" if math.isnan(lo) else f"[{lo:.2f}, {hi:.2f}]"
 
 
+def base_at_snapshots(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """The base run's state at each snapshot (``snapshot_features``: the same for every replica of it)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in controls(records):
+        f = r.get("snapshot_features") or {}
+        if f and int(r["snapshot"]) not in out:
+            out[int(r["snapshot"])] = {"snapshot": int(r["snapshot"]), **f}
+    return [out[k] for k in sorted(out)]
+
+
+def _g(value: Any, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def base_table(rows: Sequence[Mapping[str, Any]], freq_loss: float | None) -> list[str]:
+    """Markdown lines: the base run at each snapshot."""
+    lines = ["| snapshot | loss - L | t_sim(X^H) | grad ratio | resid norm layer 1 / deepest | "
+             "attn s layer 1 / top | Adam v layer 1 |", "|---|---|---|---|---|---|---|"]
+    for f in rows:
+        gap = None if f.get("loss") is None or freq_loss is None else f["loss"] - freq_loss
+        resid, amount = f.get("resid") or [None], f.get("attn_s") or [None]
+        lines.append(f"| {f['snapshot']} | {_g(gap, '+.2f')} | {_g(f.get('t_sim_head'), '.2f')} | "
+                     f"{_g(f.get('grad_ratio'), '.2g')} | {_g(resid[0], '.3g')} / "
+                     f"{_g(f.get('resid_deep'), '.3g')} | "
+                     f"{_g(amount[0], '.3g')} / {_g(f.get('attn_s_top'), '.3g')} | "
+                     f"{_g(f.get('adam_v_first'), '.2g')} |")
+    return lines
+
+
 def summary(records: Sequence[Record]) -> dict[str, Any]:
     table = decision_table(records)
     return {"schema": SCHEMA + ".summary", "version": VERSION, "replicas": len(records),
@@ -336,7 +365,9 @@ def summary(records: Sequence[Record]) -> dict[str, Any]:
             "decided": {"collapsed": decided_from(table), "lost": decided_from(table, key="p_lost")},
             "separation": {k: separation(records, outcome=f) for k, f in OUTCOMES.items()},
             "regression": {k: regression(records, outcome=f) for k, f in OUTCOMES.items()},
-            "rescues": rescues(records)}
+            "rescues": rescues(records), "base": base_at_snapshots(records),
+            "freq_loss": next((float(r["freq_loss"]) for r in records if r.get("freq_loss") is not None),
+                              None)}
 
 
 def markdown(summ: Mapping[str, Any]) -> str:
@@ -350,6 +381,8 @@ def markdown(summ: Mapping[str, Any]) -> str:
                      f"{_ci(r['lo'], r['hi'])} | {r['hazard']:.2f} | {_ci(r['hazard_lo'], r['hazard_hi'])} | "
                      f"{r['healthy']}/{r['n']} | {_ci(*r['healthy_ci'])} | {r['median_final_gap']:+.2f} | "
                      f"{steps} |")
+    lines += ["", "The base run at each snapshot (every replica of a snapshot starts from this state):", "",
+              *base_table(summ["base"], summ["freq_loss"])]
     for name, d in summ["decided"].items():
         bound = f">= {d['level']:g}" if d["outcome"] != "no" else f"<= {1 - d['level']:g}"
         when = f"from snapshot step {d['step']}" if d["step"] is not None else "not by the last snapshot"
