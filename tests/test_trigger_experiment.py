@@ -20,7 +20,7 @@ def _run(tiny_data, out, *extra):
            "--depth", "2", "--top-layers", "1", "--seq-length", "16", "--batch", "2", "--warmup", "2",
            "--lr", "0.01", "--snapshots", "4,6", "--replicas", "2", "--end-step", "12", "--feature-lag", "2",
            "--interval", "2", "--data-offset", "40", "--train-iters", "100", "--nice", "0",
-           "--intervene-at", "6", "--interventions", "replay,wo_lr0.1,eps1e-6,freeze_gains", *extra]
+           "--intervene-at", "6", "--interventions", "replay,wo_lr0.1,eps1e-6,freeze_gains,wo1_lr0.1", *extra]
     return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900)
 
 
@@ -31,15 +31,16 @@ def test_replicas_replay_exactly_differ_by_data_and_interventions_act(tiny_data,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_records(out / "replicas.jsonl")
     by = {(r["snapshot"], r["replica"], r["intervention"]): r for r in records}
-    # base (replica 0 of both snapshots) + 1 control replay per snapshot + 2 replicas x 4 interventions
-    assert len(records) == 2 + 2 + 8 and len(by) == len(records)
+    # base (replica 0 of both snapshots) + 1 control replay per snapshot + 2 replicas x 5 interventions
+    assert len(records) == 2 + 2 + 10 and len(by) == len(records)
     for r in (0, 1):  # a replay from the snapshot reproduces the control to the last digit
         ctrl, replay = by[(6, r, "none")], by[(6, r, "replay")]
         assert (replay["final_loss"], replay["final_tsim"], replay["event"]) == \
             (ctrl["final_loss"], ctrl["final_tsim"], ctrl["event"])
         assert replay["features"] == ctrl["features"]
-        for iv in ("wo_lr0.1", "eps1e-6", "freeze_gains"):
+        for iv in ("wo_lr0.1", "eps1e-6", "freeze_gains", "wo1_lr0.1"):
             assert by[(6, r, iv)]["final_loss"] != ctrl["final_loss"], iv
+        assert by[(6, r, "wo1_lr0.1")]["final_loss"] != by[(6, r, "wo_lr0.1")]["final_loss"]  # other layers
     assert by[(6, 1, "none")]["final_loss"] != by[(6, 0, "none")]["final_loss"]  # another data window
     assert by[(6, 1, "none")]["window_start"] == by[(6, 0, "none")]["window_start"] + 40 == 6 * 2 + 40
     assert by[(4, 1, "none")]["features"]["step"] == 6 and by[(4, 0, "none")]["features"]["step"] == 6
@@ -59,7 +60,7 @@ def test_replicas_replay_exactly_differ_by_data_and_interventions_act(tiny_data,
     summary = json.loads((out / "summary.json").read_text())
     assert [r["snapshot"] for r in summary["decision"]] == [4, 6]
     assert {r["intervention"] for r in summary["rescues"]} == {"replay", "wo_lr0.1", "eps1e-6",
-                                                              "freeze_gains"}
+                                                              "freeze_gains", "wo1_lr0.1"}
 
     again = _run(tiny_data, out)  # resumed: nothing left to run, same records
     assert again.returncode == 0, again.stderr[-2000:]

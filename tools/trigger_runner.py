@@ -15,6 +15,7 @@ Interventions (from the snapshot on, for the whole replica):
   (the moments do not depend on the lr; the global gradient clip is unchanged);
 * ``eps1e-6``: Adam's epsilon 1e-6 in every param group (the configured one is --adam-eps 1e-8);
 * ``freeze_gains``: every norm gain (``*norm.weight``) set back to its value before each step;
+* ``wo1_lr0.1``: the same for layer 1's W_O only (the layer whose attention grows in the base run);
 * ``replay``: nothing -- the control replayed from the snapshot (a check that a replay reproduces it).
 
 Each replica's own measured steps go to ``series/S<snapshot>_r<replica>_<intervention>.csv`` (the base
@@ -38,7 +39,7 @@ from megapost.study.events import DELAYED, from_series
 from megapost.study.trigger import CONTROL, SCHEMA, VERSION, final_gap, series_name
 from megapost.utils.atomic import atomic_write_text
 
-INTERVENTIONS = (CONTROL, "wo_lr0.1", "eps1e-6", "freeze_gains", "replay")  # replay: none, replayed
+INTERVENTIONS = (CONTROL, "wo_lr0.1", "eps1e-6", "freeze_gains", "wo1_lr0.1", "replay")
 WO_LR_FACTOR, EPS = 0.1, 1e-6
 CHECK_EVERY = 50  # steps between the early-stop checks of a replica
 
@@ -163,6 +164,8 @@ class Controller(Plugin):
                 group["eps"] = EPS
         elif job.intervention == "wo_lr0.1":
             self.params = [layer.attention.wo.weight for layer in self.module.layers[-self.plan.top_layers:]]
+        elif job.intervention == "wo1_lr0.1":
+            self.params = [self.module.layers[0].attention.wo.weight]
         elif job.intervention == "freeze_gains":
             self.params = [p for n, p in self.module.named_parameters() if n.endswith("norm.weight")]
 
@@ -172,7 +175,7 @@ class Controller(Plugin):
             return
         with torch.no_grad():
             for p, before in zip(self.params, self.pre, strict=True):
-                if self.job.intervention == "wo_lr0.1":
+                if self.job.intervention in ("wo_lr0.1", "wo1_lr0.1"):
                     p.copy_(before + WO_LR_FACTOR * (p - before))
                 else:
                     p.copy_(before)
