@@ -62,6 +62,14 @@ def test_replicas_replay_exactly_differ_by_data_and_interventions_act(tiny_data,
     assert {r["intervention"] for r in summary["rescues"]} == {"replay", "wo_lr0.1", "eps1e-6",
                                                               "freeze_gains", "wo1_lr0.1"}
 
+    keep = tmp_path / "keep"
+    rep = subprocess.run([sys.executable, str(REPO / "tools" / "trigger_experiment.py"), "report", str(out),
+                          "--keep", str(keep)], cwd=REPO, env=child_env(), capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert read_records(keep / "replicas.jsonl") == records
+    assert (keep / "setting_trigger.json").is_file() and (keep / "series" / "base.csv").is_file()
+    assert (keep / "summary.md").read_text() == (out / "summary.md").read_text()
+
     again = _run(tiny_data, out)  # resumed: nothing left to run, same records
     assert again.returncode == 0, again.stderr[-2000:]
     assert read_records(out / "replicas.jsonl") == records

@@ -34,8 +34,6 @@ from megapost.config.errors import ConfigError
 from megapost.study import trigger
 from megapost.utils.atomic import atomic_write_text
 
-KEPT = ("replicas.jsonl", "replicas_merged.jsonl", "setting.json", "summary.json", "summary.md")
-
 
 def ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v)
@@ -184,14 +182,16 @@ def with_final_gap(folder: Path, records: list[dict[str, object]]) -> list[dict[
 
 
 def report(folders: Sequence[Path], keep: str | None) -> int:
-    """The summary of the records of ``folders`` (merged; written to the first)."""
+    """The summary of the records of ``folders`` (merged: ``replicas_merged.jsonl``, ``summary.json``,
+    ``summary.md`` in the first); ``keep``: the merged records as ``replicas.jsonl``, the summary, every
+    folder's ``setting.json`` as ``setting_<folder>.json`` and every series file, copied there."""
     folder = folders[0]
     records, conflicts = trigger.merge([with_final_gap(f, trigger.read_records(f / "replicas.jsonl"))
                                         for f in folders])
     for line in conflicts:
         print(f"trigger_experiment: {line}", file=sys.stderr)
-    if len(folders) > 1:
-        atomic_write_text(folder / "replicas_merged.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    merged = "".join(json.dumps(r) + "\n" for r in records)
+    atomic_write_text(folder / "replicas_merged.jsonl", merged)
     summ = trigger.summary(records)
     atomic_write_text(folder / "summary.json", json.dumps(summ, indent=1) + "\n")
     text = trigger.markdown(summ)
@@ -200,10 +200,12 @@ def report(folders: Sequence[Path], keep: str | None) -> int:
     if keep:
         dest = Path(keep)
         dest.mkdir(parents=True, exist_ok=True)
-        for name in KEPT:
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, dest / name)
+        atomic_write_text(dest / "replicas.jsonl", merged)
+        for name in ("summary.json", "summary.md"):
+            shutil.copyfile(folder / name, dest / name)
         for f in folders:
+            if (f / "setting.json").is_file():
+                shutil.copyfile(f / "setting.json", dest / f"setting_{f.name}.json")
             if (f / "series").is_dir():
                 shutil.copytree(f / "series", dest / "series", dirs_exist_ok=True)
     return 0
