@@ -185,7 +185,8 @@ def test_health_is_counted_per_snapshot_and_per_pair():
     treated = [{**rec(700, r, False, "freeze_gains"), "final_gap": g}
                for r, g in enumerate([-0.6, -0.4, -0.05, -0.35])]  # healthy: replicas 0, 1, 3
     (res,) = trigger.rescues(controls + treated)
-    assert (res["healthy"], res["control_healthy"], res["to_health"]) == (3, 1, 2)
+    assert (res["healthy"], res["control_healthy"], res["to_health"], res["from_health"]) == (3, 1, 2, 0)
+    assert res["health_sign_test_p"] == pytest.approx(0.5)  # 2 vs 0: 2 * (1/2)^2
     assert (res["at_risk"], res["rescued"]) == (2, 2)
 
 

@@ -315,13 +315,15 @@ def rescues(records: Iterable[Record]) -> list[dict[str, Any]]:
         harmed = sum(collapsed(t) for c, t in pairs if not collapsed(c))
         k_t, k_c, n = sum(collapsed(t) for _, t in pairs), sum(collapsed(c) for c, _ in pairs), len(pairs)
         to_health = sum(healthy(t) and not healthy(c) for c, t in pairs)
+        from_health = sum(healthy(c) and not healthy(t) for c, t in pairs)
         h_t, h_c = sum(healthy(t) for _, t in pairs), sum(healthy(c) for c, _ in pairs)
         rows.append({"snapshot": step, "intervention": name, "pairs": n, "at_risk": len(risk),
                      "rescued": rescued, "rescued_ci": wilson(rescued, len(risk)), "harmed": harmed,
                      "collapsed": k_t, "collapsed_ci": wilson(k_t, n), "control_collapsed": k_c,
                      "control_ci": wilson(k_c, n), "sign_test_p": sign_test(rescued, harmed),
                      "healthy": h_t, "healthy_ci": wilson(h_t, n), "control_healthy": h_c,
-                     "to_health": to_health})
+                     "to_health": to_health, "from_health": from_health,
+                     "health_sign_test_p": sign_test(to_health, from_health)})
     return rows
 
 
@@ -402,12 +404,13 @@ def markdown(summ: Mapping[str, Any]) -> str:
         for t, c, lo, hi in zip(reg["terms"], reg["coef"], reg["lo"], reg["hi"], strict=True):
             lines.append(f"| {t} | {c:+.2f} | [{lo:+.2f}, {hi:+.2f}] |")
     lines += ["", "| snapshot | intervention | rescued / collapsing controls | 95 % | harmed | P(collapse) "
-              "treated | control | sign test p | ends healthy treated | control |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "treated | control | sign test p | ends healthy treated | control | to / from healthy | "
+              "sign test p |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summ["rescues"]:
         lines.append(f"| {r['snapshot']} | {r['intervention']} | {r['rescued']}/{r['at_risk']} | "
                      f"{_ci(*r['rescued_ci'])} | {r['harmed']} | {r['collapsed']}/{r['pairs']} "
                      f"{_ci(*r['collapsed_ci'])} | {r['control_collapsed']}/{r['pairs']} | "
                      f"{r['sign_test_p']:.3g} | {r['healthy']}/{r['pairs']} {_ci(*r['healthy_ci'])} | "
-                     f"{r['control_healthy']}/{r['pairs']} |")
+                     f"{r['control_healthy']}/{r['pairs']} | {r['to_health']} / {r['from_health']} | "
+                     f"{r['health_sign_test_p']:.3g} |")
     return "\n".join(lines) + "\n"
