@@ -210,7 +210,8 @@ def apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:
         raise _refuse("--use-distributed-optimizer", "conflicts with --zero-stage 0")
     if "zero_stage" not in args.explicit:
         args.zero_stage = 1
-    return ["--use-distributed-optimizer -> megapost's distributed optimizer (the native engine, no DeepSpeed)"]
+    return ["--use-distributed-optimizer -> megapost's distributed optimizer (the native engine, no "
+            "DeepSpeed)"]
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

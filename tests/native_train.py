@@ -1,0 +1,81 @@
+"""Helpers of tests/test_native_engine.py that run in the ranks: the real trainer on the native engine
+(``--use-distributed-optimizer``), built as users build it (``build(prepare(argv))``), traced."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+NATIVE = ("--use-distributed-optimizer",)
+
+
+def small_buckets(numel: int = 20_000) -> None:
+    """``run_ranks`` setup: the native engine's buckets of ``numel`` elements (several on the tiny model)."""
+    import megapost.native.build as native
+
+    native.BUCKET_NUMEL = numel
+
+
+def trace_trainer(flags: tuple[str, ...], micro_batches: int = 2) -> dict[str, Any]:
+    """Steps 1 and 2 of the trainer on the native engine; the events of step 2 in issue order: the
+    optimizer's collectives ("all_gather i", "reduce_scatter i", its ``trace``), each parameterised
+    module's "forward start/end NAME" and each "grad NAME" as its gradient is accumulated; the modules
+    of each bucket."""
+    import torch.distributed as dist
+    from dist_utils import RunSpec, layout_argv, tiny_config, write_token_stream
+
+    from megapost.train.build import build
+    from megapost.train.prepare import prepare
+
+    dp = dist.get_world_size()
+    spec = RunSpec(steps=2, global_batch=2 * micro_batches * dp, micro_batch=2, flags=(*NATIVE, *flags))
+    cfg = tiny_config()
+    tmp = [tempfile.mkdtemp(prefix="megapost-native-") if dist.get_rank() == 0 else None]
+    if tmp[0] is not None:
+        write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
+    dist.broadcast_object_list(tmp, src=0)
+    trainer = build(prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dp))
+    engine, events = trainer.engine, []
+    model = engine.module
+    names = {m: n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    for m, n in names.items():
+        m.register_forward_pre_hook(lambda _m, _a, n=n: events.append(f"forward start {n}"))
+        m.register_forward_hook(lambda _m, _a, _o, n=n: events.append(f"forward end {n}"))
+        for p in m.parameters(recurse=False):
+            p.register_post_accumulate_grad_hook(lambda _p, n=n: events.append(f"grad {n}"))
+    engine.dist.trace = events.append
+    try:
+        trainer.train_step(1)
+        events.clear()
+        trainer.train_step(2)
+        engine.dist.finish_param_sync()
+    finally:
+        trainer.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+    buckets = [sorted({names[m] for m in names for p in m.parameters(recurse=False)
+                       if any(p is q for q in b.params)}) for b in engine.dist.buckets]
+    return {"events": list(events), "buckets": buckets}
+
+
+def check_overlap(events: list[str], buckets: list[list[str]]) -> None:
+    """Bucket i+1's all-gather issued before the forward of bucket i ends (every i), in the first
+    micro-batch's forward; the last bucket's reduce-scatter issued before the first bucket's gradients
+    are in (before the backward ends)."""
+    assert len(buckets) >= 3, buckets
+    forward = events[:next(j for j, e in enumerate(events) if e.startswith("grad "))]
+    for i in range(len(buckets) - 1):
+        end_i = max(j for j, e in enumerate(forward) if e in {f"forward end {n}" for n in buckets[i]})
+        assert f"all_gather {i + 1}" in forward and forward.index(f"all_gather {i + 1}") < end_i, (i, forward)
+    first_grads = max(j for j, e in enumerate(events) if e in {f"grad {n}" for n in buckets[0]})
+    last = f"reduce_scatter {len(buckets) - 1}"
+    assert last in events and events.index(last) < first_grads, events
+
+
+def params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
