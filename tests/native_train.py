@@ -79,3 +79,12 @@ def check_overlap(events: list[str], buckets: list[list[str]]) -> None:
 
 def params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def counted_native_setup() -> None:
+    """``run_ranks`` setup of benchmarks/dist_opt_bytes.py: the collectives counted (tests/comm_count),
+    the native engine's buckets of 500 k elements (7 on its model)."""
+    from comm_count import install
+
+    install()
+    small_buckets(500_000)
