@@ -9,6 +9,7 @@
 #   E3 depth:   128 x {8, 16, 32}, warmup 1,000, 700 steps at peak, 3 lrs x 2 seeds
 #   E2hi:       E2 at 1,024 tokens/step with lrs 0.035, 0.05 (part e2's lrs all survived there)
 #   E2top:      E2 at 1,024 tokens/step with lrs 0.07, 0.1, 0.14; E3l32: x32 at 2 lrs x 1 seed
+#   E2sat:      E2 at 4,096 tokens/step with lrs 0.07, 0.14, 0.28 (does the batch term saturate?)
 # What ran on 2 shared cores on 2026-12-04 (docs/study_results.md): E1 whole; E3 x8 whole, x16 in part,
 # x32 cut; E2 at 1,024 tokens/step whole, E2hi; E2 at 4,096 cut (its lrs cannot reach an event there).
 #
@@ -63,6 +64,10 @@ part_e2hi() {  # added after E2 at 1,024 tokens/step survived every lr of part_e
 part_e2top() {  # added after E2hi (0.035, 0.05) survived too: lrs that reach 1,024 tokens/step's events
   sweep e2_batch/t1024_top --hidden 64 --depths 4 --seq-length 32 --batch 32 --warmups 500 --iters 1500 \
     --lrs 0.07,0.1,0.14 --seeds 1,2
+}
+part_e2sat() {  # after E2top: does the batch's protection saturate past 1,024 tokens/step? (4,096, 1 lr per x2)
+  sweep e2_batch/t4096_sat --hidden 64 --depths 4 --seq-length 32 --batch 128 --warmups 500 --iters 1500 \
+    --lrs 0.07,0.14,0.28 --seeds 1,2
 }
 part_e3l32() {  # E3 x32 cut to 2 lrs x 1 seed (~30 min a run on 2 shared cores)
   sweep e3_depth/L32 --hidden 128 --depths 32 --seq-length 32 --batch 8 --warmups 1000 --iters 1700 \

@@ -8,7 +8,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from megapost.study.events import ALTERNATIVES, DEFAULT, DELAYED, Criterion
-from megapost.study.hazard import FACTORS, TIME_FORMS, HazardFit, HazardRun, HForm, draws, exposure, fit
+from megapost.study.hazard import (
+    FACTORS,
+    SAT_GRID,
+    TIME_FORMS,
+    HazardFit,
+    HazardRun,
+    HForm,
+    draws,
+    exposure,
+    fit,
+)
 from megapost.study.law import Branch, HazardLaw
 from megapost.study.results import Row, hazard_runs
 
@@ -20,11 +30,14 @@ def varying(runs: Sequence[HazardRun]) -> tuple[str, ...]:
 
 
 def candidate_forms(runs: Sequence[HazardRun]) -> list[HForm]:
-    """Every time-since-peak shape with every varying factor's term, and each with one factor's term
-    dropped."""
+    """Every time-since-peak shape with every varying factor's term, each with one factor's term dropped,
+    and, when tokens per step varies, each with the tokens term saturating at a critical batch of
+    ``SAT_GRID``."""
     var = varying(runs)
     forms = [HForm(var, t) for t in TIME_FORMS]
     forms += [HForm(tuple(g for g in var if g != f), t) for f in var for t in TIME_FORMS]
+    if "tokens_per_step" in var:
+        forms += [HForm(var, t, sat) for t in TIME_FORMS for sat in SAT_GRID]
     return forms
 
 
@@ -44,7 +57,7 @@ def fit_law(rows: Sequence[Row], crit: Criterion = DEFAULT, influence: bool = Tr
     if not fits:
         raise ValueError("no hazard form could be fitted (no delayed collapse in the data?)")
     best = fits[0]
-    alts = [Branch("form", f.form.name, f) for f in fits[1:] if f.aic - best.aic <= FORM_DELTA_AIC]
+    alts = [Branch("form", f.form.name, f) for f in fits[1:] if f.aic - best.aic <= FORM_DELTA_AIC + 1e-6]
     for name, c in ALTERNATIVES.items():
         got = _try(hazard_runs(rows, c)[0], best.form)
         if got is not None:
@@ -60,7 +73,7 @@ def fit_law(rows: Sequence[Row], crit: Criterion = DEFAULT, influence: bool = Tr
             if got is not None:
                 alts.append(Branch("influence", f"without {config}", got))
     box = {f: [min(r.x[f] for r in runs), max(r.x[f] for r in runs)] for f in FACTORS}
-    forms = [{"name": f.form.name, "loglik": f.loglik, "params": len(f.theta), "aic": f.aic} for f in fits]
+    forms = [{"name": f.form.name, "loglik": f.loglik, "params": f.params, "aic": f.aic} for f in fits]
     return HazardLaw(best, box, crit.describe(), alts,
                      provenance={"runs": len(runs), "events": best.events, "forms": forms,
                                  "configs": len({r.config for r in runs})})

@@ -8,7 +8,9 @@ A run that learned is at risk from the step it learned (a results.csv row withou
 
 with lr(t) the lr the run actually had at t (its schedule), tau(t) the steps since the end of warmup
 (time since peak; g: ``none``, ``log1p`` log(1 + tau/100) or ``linear`` tau/1000), and x the width,
-depth, warmup (as log(1 + warmup/100)) and tokens per step (a term only for those that vary in the data).
+depth, warmup (as log(1 + warmup/100)) and tokens per step B (a term only for those that vary in the data;
+as log B, or saturating past a critical batch B_c as log(B / (1 + B / B_c)) -- B_c one of ``SAT_GRID``,
+counted as a parameter in the AIC: gradient noise falls as 1/B only up to the critical batch).
 The seed is the noise: the event time of one seed is random given lambda. Steps are grouped in
 ``DELTA``-step intervals (complementary log-log likelihood: P(event in an interval of n steps) = 1 -
 exp(-n lambda)), lr(t) and tau(t) taken at each interval's middle step. Fisher scoring (Newton) with step
@@ -34,14 +36,18 @@ from megapost.utils.lr_schedule import lr_at
 FACTORS = ("width", "depth", "warmup", "tokens_per_step")
 REF = {"width": 64.0, "depth": 4.0, "warmup": 500.0, "tokens_per_step": 256.0}
 TIME_FORMS = ("none", "log1p", "linear")
+SAT_GRID = (512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)  # critical tokens/step of the saturating forms
 DELTA = 5
 RIDGE = 1e-3
 
 
-def factor_term(f: str, v: float) -> float:
-    """A factor's design entry: log(v / ref); warmup log((1 + v/100) / (1 + ref/100)) (0 steps allowed)."""
+def factor_term(f: str, v: float, sat: float = 0.0) -> float:
+    """A factor's design entry: log(v / ref); warmup log((1 + v/100) / (1 + ref/100)) (0 steps allowed);
+    tokens per step with ``sat`` > 0: log of v / (1 + v / sat) over the same at ref."""
     if f == "warmup":
         return math.log1p(v / 100.0) - math.log1p(REF[f] / 100.0)
+    if f == "tokens_per_step" and sat > 0:
+        return math.log(v / (1.0 + v / sat)) - math.log(REF[f] / (1.0 + REF[f] / sat))
     return math.log(v / REF[f])
 
 
@@ -79,14 +85,22 @@ class HazardRun:
 
 @dataclass(frozen=True)
 class HForm:
-    """Which factors have a term and the time-since-peak term's shape."""
+    """Which factors have a term, the time-since-peak term's shape and the tokens term's critical batch
+    (``sat``; 0: a plain power law)."""
 
     factors: tuple[str, ...]
     time: str = "log1p"
+    sat: float = 0.0
 
     @property
     def name(self) -> str:
-        return f"time {self.time}; factors {', '.join(self.factors) or 'none'}"
+        tail = f"; tokens/step saturating at {self.sat:,.0f}" if self.sat else ""
+        return f"time {self.time}; factors {', '.join(self.factors) or 'none'}{tail}"
+
+    @property
+    def extra_params(self) -> int:
+        """Parameters chosen outside the likelihood's Newton fit (the critical batch), for the AIC."""
+        return 1 if self.sat else 0
 
     def columns(self) -> list[str]:
         return (["const", "log lr"] + ([f"time:{self.time}"] if self.time != "none" else [])
@@ -98,17 +112,17 @@ class HForm:
             cols.append(np.log1p(tau / 100.0))
         elif self.time == "linear":
             cols.append(tau / 1000.0)
-        cols += [np.full_like(log_lr, factor_term(f, float(x[f]))) for f in self.factors]
+        cols += [np.full_like(log_lr, factor_term(f, float(x[f]), self.sat)) for f in self.factors]
         return np.stack(cols, axis=1)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"factors": list(self.factors), "time": self.time}
+        return {"factors": list(self.factors), "time": self.time, "sat": self.sat}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HForm:
         if d["time"] not in TIME_FORMS:
             raise ValueError(f"time form {d['time']!r} not in {TIME_FORMS}")
-        return cls(tuple(d["factors"]), d["time"])
+        return cls(tuple(d["factors"]), d["time"], float(d.get("sat", 0.0)))
 
 
 def exposure(run: HazardRun) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -189,8 +203,12 @@ class HazardFit:
     runs: int
 
     @property
+    def params(self) -> int:
+        return len(self.theta) + self.form.extra_params
+
+    @property
     def aic(self) -> float:
-        return 2 * len(self.theta) - 2 * self.loglik
+        return 2 * self.params - 2 * self.loglik
 
     def as_dict(self) -> dict[str, Any]:
         return {"form": self.form.as_dict(), "columns": self.form.columns(), "theta": self.theta.tolist(),
