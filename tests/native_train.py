@@ -88,3 +88,37 @@ def counted_native_setup() -> None:
 
     install()
     small_buckets(500_000)
+
+
+def rollback_losses(flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The plugins' in-memory rollback on the native engine: after step 1 a ``trainer.snapshot()``,
+    steps 2-3, ``trainer.restore``, steps 2-3 again (the same batches): both runs' losses and norms."""
+    import torch.distributed as dist
+    from dist_utils import RunSpec, layout_argv, tiny_config, write_token_stream
+
+    from megapost.train.build import build
+    from megapost.train.prepare import prepare
+
+    dp = dist.get_world_size()
+    spec = RunSpec(steps=3, global_batch=4 * dp, micro_batch=2, flags=(*NATIVE, *flags))
+    cfg = tiny_config()
+    tmp = [tempfile.mkdtemp(prefix="megapost-native-") if dist.get_rank() == 0 else None]
+    if tmp[0] is not None:
+        write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
+    dist.broadcast_object_list(tmp, src=0)
+    trainer = build(prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dp))
+    runs: list[list[float]] = []
+    try:
+        trainer.train_step(1)
+        trainer.state.iteration, trainer.state.consumed_samples = 1, spec.global_batch
+        snap = trainer.snapshot()
+        for _ in range(2):
+            runs.append([float(trainer.train_step(s)) for s in (2, 3)]
+                        + [float(trainer.engine.grad_norm())])
+            trainer.restore(snap)
+    finally:
+        trainer.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+    return {"runs": runs}

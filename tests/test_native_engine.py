@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import RunSpec, max_rel_diff, run_layouts, run_ranks
-from native_train import NATIVE, check_overlap, params_equal, small_buckets, trace_trainer
+from native_train import NATIVE, check_overlap, params_equal, rollback_losses, small_buckets, trace_trainer
 from skip_inject import Case, run_cases
 from test_skip_step import check_skipped
 
@@ -76,6 +76,15 @@ def test_gathers_and_reduce_scatters_overlap_compute_in_the_trainer() -> None:
     before the first bucket's gradients are in (before the backward ends)."""
     rank0 = run_ranks(trace_trainer, 2, ("--bf16",), setup=small_buckets)[0]
     check_overlap(rank0["events"], rank0["buckets"])
+
+
+@pytest.mark.integration
+def test_snapshot_and_restore_continue_exactly() -> None:
+    """The in-memory rollback the plugins use (``Trainer.snapshot`` / ``restore`` over the engine's
+    ``state_dict``): after step 1, steps 2-3, back to the snapshot, steps 2-3 again — the same losses and
+    norm bit for bit at DP 2 bf16 (module, fp32 shards, Adam moments and schedule restored)."""
+    first, second = run_ranks(rollback_losses, 2, ("--bf16",))[0]["runs"]
+    assert first == second, (first, second)
 
 
 def test_refusals_name_the_flag_in_one_line() -> None:
