@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,44 +22,49 @@ def small_buckets(numel: int = 20_000) -> None:
     native.BUCKET_NUMEL = numel
 
 
-def trace_trainer(flags: tuple[str, ...], micro_batches: int = 2) -> dict[str, Any]:
-    """Steps 1 and 2 of the trainer on the native engine; the events of step 2 in issue order: the
-    optimizer's collectives ("all_gather i", "reduce_scatter i", its ``trace``), each parameterised
-    module's "forward start/end NAME" and each "grad NAME" as its gradient is accumulated; the modules
-    of each bucket."""
+@contextlib.contextmanager
+def native_trainer(steps: int, global_batch: int, flags: tuple[str, ...]) -> Iterator[Any]:
+    """The trainer of the layout harness's tiny model and corpus on the native engine (every rank),
+    closed and its corpus removed on exit."""
     import torch.distributed as dist
     from dist_utils import RunSpec, layout_argv, tiny_config, write_token_stream
 
     from megapost.train.build import build
     from megapost.train.prepare import prepare
 
-    dp = dist.get_world_size()
-    spec = RunSpec(steps=2, global_batch=2 * micro_batches * dp, micro_batch=2, flags=(*NATIVE, *flags))
+    spec = RunSpec(steps=steps, global_batch=global_batch, micro_batch=2, flags=(*NATIVE, *flags))
     cfg = tiny_config()
     tmp = [tempfile.mkdtemp(prefix="megapost-native-") if dist.get_rank() == 0 else None]
     if tmp[0] is not None:
         write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
     dist.broadcast_object_list(tmp, src=0)
-    trainer = build(prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dp))
-    engine, events = trainer.engine, []
-    model = engine.module
-    names = {m: n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
-    for m, n in names.items():
-        m.register_forward_pre_hook(lambda _m, _a, n=n: events.append(f"forward start {n}"))
-        m.register_forward_hook(lambda _m, _a, _o, n=n: events.append(f"forward end {n}"))
-        for p in m.parameters(recurse=False):
-            p.register_post_accumulate_grad_hook(lambda _p, n=n: events.append(f"grad {n}"))
-    engine.dist.trace = events.append
+    trainer = build(prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dist.get_world_size()))
     try:
-        trainer.train_step(1)
-        events.clear()
-        trainer.train_step(2)
-        engine.dist.finish_param_sync()
+        yield trainer
     finally:
         trainer.close()
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(tmp[0], ignore_errors=True)
+
+
+def trace_trainer(flags: tuple[str, ...], micro_batches: int = 2) -> dict[str, Any]:
+    """Steps 1 and 2 of the trainer on the native engine; the events of step 2 in issue order: the
+    optimizer's collectives ("all_gather i", "reduce_scatter i", its ``trace``), each parameterised
+    module's "forward start/end NAME" and each "grad NAME" as its gradient is accumulated; the modules
+    of each bucket."""
+    import torch.distributed as dist
+    from dist_opt_train import record_compute
+
+    events: list[str] = []
+    with native_trainer(2, 2 * micro_batches * dist.get_world_size(), flags) as trainer:
+        engine = trainer.engine
+        names = record_compute(engine.module, events)
+        engine.dist.trace = events.append
+        trainer.train_step(1)
+        events.clear()
+        trainer.train_step(2)
+        engine.dist.finish_param_sync()
     buckets = [sorted({names[m] for m in names for p in m.parameters(recurse=False)
                        if any(p is q for q in b.params)}) for b in engine.dist.buckets]
     return {"events": list(events), "buckets": buckets}
@@ -94,31 +101,15 @@ def rollback_losses(flags: tuple[str, ...] = ()) -> dict[str, Any]:
     """The plugins' in-memory rollback on the native engine: after step 1 a ``trainer.snapshot()``,
     steps 2-3, ``trainer.restore``, steps 2-3 again (the same batches): both runs' losses and norms."""
     import torch.distributed as dist
-    from dist_utils import RunSpec, layout_argv, tiny_config, write_token_stream
 
-    from megapost.train.build import build
-    from megapost.train.prepare import prepare
-
-    dp = dist.get_world_size()
-    spec = RunSpec(steps=3, global_batch=4 * dp, micro_batch=2, flags=(*NATIVE, *flags))
-    cfg = tiny_config()
-    tmp = [tempfile.mkdtemp(prefix="megapost-native-") if dist.get_rank() == 0 else None]
-    if tmp[0] is not None:
-        write_token_stream(os.path.join(tmp[0], "tokens"), spec, cfg)
-    dist.broadcast_object_list(tmp, src=0)
-    trainer = build(prepare(layout_argv(spec, cfg, os.path.join(tmp[0], "tokens")), dp))
     runs: list[list[float]] = []
-    try:
+    batch = 4 * dist.get_world_size()
+    with native_trainer(3, batch, flags) as trainer:
         trainer.train_step(1)
-        trainer.state.iteration, trainer.state.consumed_samples = 1, spec.global_batch
+        trainer.state.iteration, trainer.state.consumed_samples = 1, batch
         snap = trainer.snapshot()
         for _ in range(2):
             runs.append([float(trainer.train_step(s)) for s in (2, 3)]
                         + [float(trainer.engine.grad_norm())])
             trainer.restore(snap)
-    finally:
-        trainer.close()
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp[0], ignore_errors=True)
     return {"runs": runs}

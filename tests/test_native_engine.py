@@ -87,6 +87,29 @@ def test_snapshot_and_restore_continue_exactly() -> None:
     assert first == second, (first, second)
 
 
+@pytest.mark.integration
+def test_bytes_per_step_in_the_trainer_match_the_planner() -> None:
+    """DP 2 bf16 in the trainer (tests/comm_count, buckets of 500 k elements): the data-parallel group
+    sends (n-1)/n * (4 + 2) B per parameter per step — one reduce-scatter and one all-gather per bucket —
+    at 1 and 4 micro-batches alike, the planner's figure (megapost.plan.search.comm_parts) within 0.1 %."""
+    from comm_count import MODEL, count_runs
+    from dist_utils import tiny_config
+    from native_train import counted_native_setup
+
+    from megapost.plan.memory import Layout
+    from megapost.plan.search import comm_parts
+
+    runs = [(m, [*NATIVE, "--bf16"]) for m in (1, 4)]
+    for (m, _), r in zip(runs, run_ranks(count_runs, 2, runs, setup=counted_native_setup)[0], strict=True):
+        plan = comm_parts(tiny_config(**MODEL), Layout(1, 1, 2, 1, 1, m, distributed_optimizer=True), 2 * m,
+                          bf16=True)["dp"]
+        print(m, r["by_axis"], plan, r["calls"])
+        assert abs(r["by_axis"]["dp"] / plan - 1) < 1e-3 and plan == 0.5 * 6 * r["params"], (r, plan)
+        calls = r["calls"]
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == r["overlap_buckets"]
+        assert r["overlap_buckets"] == 7 and r["zero_stage"] == "native"
+
+
 def test_refusals_name_the_flag_in_one_line() -> None:
     """PP > 1, --save / --load / --load-hf and a DeepSpeed JSON are refused, each in one line."""
     from types import SimpleNamespace as NS
