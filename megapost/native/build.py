@@ -94,7 +94,8 @@ def build_native(config: Config, model: nn.Module, loss_fn: Callable[..., torch.
     hooks = dist_opt.install_forward_hooks(model.modules())
     skips = SkipCounter(device, config.runtime.max_consecutive_skipped_iterations)
     return NativeEngine(model, loss_fn, dist_opt, make_schedule(dist_opt.optimizer), skips,
-                        replicated_owner=pstate.tp_rank == 0, hooks=hooks)
+                        replicated_owner=pstate.tp_rank == 0, hooks=hooks,
+                        samples_per_step=config.data.global_batch_size)
 
 
 def start_note(engine: NativeEngine, config: Config) -> str:

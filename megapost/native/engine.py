@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megapost.config.errors import ConfigError
 from megapost.engine import MASTER, Fragment
 from megapost.optim.schedule import WarmupDecaySchedule
 from megapost.optim.skips import SkipCounter
@@ -32,7 +33,7 @@ class NativeEngine:
 
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], dist: DistributedOptimizer,
                  scheduler: WarmupDecaySchedule, skips: SkipCounter, *, replicated_owner: bool,
-                 hooks: list[Any]) -> None:
+                 hooks: list[Any], samples_per_step: int = 0) -> None:
         self._module, self.loss_fn, self.dist = module, loss_fn, dist
         self.lr_scheduler, self.skips, self.replicated_owner = scheduler, skips, replicated_owner
         self.before_step: Callable[[], None] = lambda: None
@@ -40,7 +41,7 @@ class NativeEngine:
         self.on_device = takes_found_inf(dist.optimizer)
         if self.on_device:
             scheduler.count_on_device(skips.last)
-        self.global_steps = 0
+        self.global_steps, self.global_samples, self.samples_per_step = 0, 0, samples_per_step
 
     # ---- what train/ reads ---------------------------------------------------------------------
     @property
@@ -93,6 +94,7 @@ class NativeEngine:
         elif not bool(skipped):
             self.lr_scheduler.step()
         self.global_steps += 1
+        self.global_samples += self.samples_per_step
         return skipped.float()
 
     def lr(self) -> float | torch.Tensor:
@@ -176,3 +178,58 @@ class NativeEngine:
         self._hooks = []
         for b in self.dist.buckets:
             b.hooks = []
+
+    # ---- what megapost.checkpoint asks (the Engine protocol's checkpoint members) -------------------
+    def _segments(self) -> list[nn.Parameter]:
+        return [seg for b in self.dist.buckets for _g, seg in b.segments]
+
+    def optimizer_header(self) -> dict[str, Any]:
+        states = [self.dist.optimizer.state[s] for s in self._segments() if s in self.dist.optimizer.state]
+        step = next((int(s["step"]) for s in states if "step" in s), None)
+        keys = sorted({k for s in states for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, JSONABLE)}
+                  for g in self.dist.optimizer.param_groups]
+        return {"step": step, "keys": keys, "groups": groups}
+
+    def init_optimizer_state(self, keys: list[str], step: int | None,
+                             groups: list[dict[str, Any]] | None) -> None:
+        opt = self.dist.optimizer
+        for seg in self._segments():
+            counted = {} if step is None else {"step": torch.tensor(float(step), device=seg.device)}
+            opt.state[seg] = {**counted, **{k: torch.zeros_like(seg.detach()) for k in keys}}
+        for group, settings in zip(opt.param_groups, groups or [], strict=False):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()
+                          if k in group and k not in ("lr", "initial_lr")})
+
+    def held_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        where = self.dist.owned(param)
+        return None if where is None else (where[1], where[2] - where[1])
+
+    def partitioned(self) -> bool:
+        return True  # the fp32 masters are the shards; the module's weights are gathered from them
+
+    def rebuild_weights(self) -> None:
+        self.dist.rebuild_weights()
+
+    def scheduler_state(self) -> dict[str, Any] | None:
+        return self.lr_scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        self.lr_scheduler.load_state_dict(state)
+
+    def counters(self) -> dict[str, int]:
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples, "skipped_steps": 0}
+
+    def set_counters(self, counters: dict[str, int]) -> None:
+        self.global_steps, self.global_samples = counters["global_steps"], counters["global_samples"]
+
+    def save_native(self, directory: str, tag: str, client: dict[str, Any]) -> None:
+        raise ConfigError("--ckpt-format deepspeed with --use-distributed-optimizer: the native engine "
+                          "has no files of its own; use the layout-free format")
+
+    def load_native(self, directory: str, tag: str, optimizer: bool,
+                    module_only: bool) -> dict[str, Any] | None:
+        return None
+
+
+JSONABLE = (int, float, str, bool, list, tuple, type(None))

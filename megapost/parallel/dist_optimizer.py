@@ -292,6 +292,16 @@ class DistributedOptimizer:
         if i + 1 < len(self.buckets):
             self._dispatch_gather(i + 1)
 
+    def rebuild_weights(self) -> None:
+        """The model's weights from the fp32 masters (after they were written): every bucket's slice cast
+        and all-gathered now (collective)."""
+        self.finish_param_sync()
+        with torch.no_grad():
+            for b in self.buckets:
+                b.param_buf[b.lo:b.hi].copy_(b.master)
+                b.gather_due = True
+        self.finish_param_sync()
+
     def finish_param_sync(self) -> None:
         """Wait for every bucket's gather (before a save, an evaluation outside the hooks, or the end)."""
         for i in range(len(self.buckets)):
