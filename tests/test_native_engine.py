@@ -110,6 +110,23 @@ def test_bytes_per_step_in_the_trainer_match_the_planner() -> None:
         assert r["overlap_buckets"] == 7 and r["zero_stage"] == "native"
 
 
+@pytest.mark.integration
+def test_sequence_parallel_gains_reduced_once_per_step() -> None:
+    """TP 2 + SP x DP 2 bf16 in the trainer: the native engine sums the sequence-parallel norm gains'
+    partial gradients in one all-reduce per step, so going from 4 to 8 micro-batches adds only the
+    vocab-parallel loss's 2 all-reduces per micro-batch (DeepSpeed's path adds one per gain as well: 10
+    per micro-batch on this model, docs/multi-gpu.md); the data-parallel bytes do not change."""
+    from comm_count import count_runs
+    from native_train import counted_native_setup
+
+    flags = [*NATIVE, "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    four, eight = run_ranks(count_runs, 4, [(4, flags), (8, flags)], setup=counted_native_setup)[0]
+    print(four["calls"], eight["calls"])
+    grown = eight["calls"]["all_reduce"] - four["calls"]["all_reduce"]
+    assert grown == 2 * 4, (four["calls"], eight["calls"])
+    assert eight["by_axis"]["dp"] == four["by_axis"]["dp"]
+
+
 def test_refusals_name_the_flag_in_one_line() -> None:
     """PP > 1, --save / --load / --load-hf and a DeepSpeed JSON are refused, each in one line."""
     from types import SimpleNamespace as NS
