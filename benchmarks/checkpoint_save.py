@@ -84,12 +84,10 @@ def _child_rss(out: str, flags: list[str]) -> None:
     from megapost import pretrain
     from megapost.checkpoint import saver
 
-    real = saver.save
+    real = saver.AsyncSaver.save
 
-    def measured(engine, config, iteration, consumed, plugins, pstate, **kw):
-        from megapost.checkpoint import layout_free as lf
-
-        lf._link_state(engine)
+    def measured(self, engine, config, iteration, consumed, plugins, pstate, **kw):
+        engine.optimizer_header()  # the state views linked, as a save does first
         base = psutil.Process().memory_info().rss
         s = Sampler()
         s.start()
@@ -100,22 +98,22 @@ def _child_rss(out: str, flags: list[str]) -> None:
         s = Sampler()
         s.start()
         t0 = time.perf_counter()
-        tag = real(engine, config, iteration, consumed, plugins, pstate, **kw)
-        written = saver.wait_pending()  # --async-save: the snapshot and the background write count too
+        tag = real(self, engine, config, iteration, consumed, plugins, pstate, **kw)
+        written = self.wait_pending()  # --async-save: the snapshot and the background write count too
         seconds = time.perf_counter() - t0
         peak = s.stop()
         rank = pstate.global_rank
-        from megapost.checkpoint.layout_free import shard_file_v2
+        from megapost.checkpoint.format import DIR, shard_file
 
-        shard = os.path.join(config.checkpoint.save, tag, "layout_free",
-                             shard_file_v2(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
+        shard = os.path.join(config.checkpoint.save, tag, DIR,
+                             shard_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank))
         nbytes = written or os.path.getsize(shard)  # async: rank 0 may not have published the tag yet
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "shard_bytes": nbytes, "rss_before": base2, "save_growth": peak - base2,
                        "old_growth": old_peak - base, "save_s": seconds}, f)
         return tag
 
-    saver.save = measured
+    saver.AsyncSaver.save = measured
     pretrain.main(flags)
 
 
@@ -146,11 +144,12 @@ def _child_async(out: str, flags: list[str]) -> None:
     from megapost.train.step import StepRunner
 
     events: dict[str, list] = {"steps": [], "saves": [], "waits": []}
-    real_step, real_save, real_wait = StepRunner.train_step, saver.save, saver.before_state_changes
+    real_step, real_save = StepRunner.train_step, saver.AsyncSaver.save
+    real_wait = saver.AsyncSaver.before_state_changes
 
-    def wait() -> None:  # the optimizer step waiting for an async snapshot
+    def wait(self) -> None:  # the optimizer step waiting for an async snapshot
         t0 = time.perf_counter()
-        real_wait()
+        real_wait(self)
         events["waits"].append(time.perf_counter() - t0)
 
     def step(self, n):
@@ -159,15 +158,15 @@ def _child_async(out: str, flags: list[str]) -> None:
         events["steps"].append((n, t0, time.perf_counter(), time.thread_time() - c0))
         return loss
 
-    def save(*args, **kw):
+    def save(self, *args, **kw):
         t0, c0 = time.perf_counter(), time.thread_time()
-        tag = real_save(*args, **kw)
+        tag = real_save(self, *args, **kw)
         t1 = time.perf_counter()
-        job = saver._pending
+        job = self.pending
         events["saves"].append([t0, t1, job, time.thread_time() - c0])
         return tag
 
-    StepRunner.train_step, saver.save, saver.before_state_changes = step, save, wait
+    StepRunner.train_step, saver.AsyncSaver.save, saver.AsyncSaver.before_state_changes = step, save, wait
     pretrain.main(flags)
     saves = []
     for t0, t1, job, blocked_cpu in events["saves"]:
@@ -238,14 +237,15 @@ def async_(a: argparse.Namespace) -> None:
 
 
 def bytes_(a: argparse.Namespace) -> None:
-    from megapost.checkpoint.layout_free import ShardIndex
+    from megapost.checkpoint.folder import tag_of
+    from megapost.checkpoint.reader import ShardIndex
 
     for fmt in ("megapost", "deepspeed"):
         work = tempfile.mkdtemp(prefix=f"ckpt-bytes-{fmt}-")
         flags = _flags(a, os.path.join(work, "ckpt"), 1, ["--ckpt-format", fmt, "--zero-stage", "1"])
         subprocess.run([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, check=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
-        tag = os.path.join(work, "ckpt", "iter_0000001")
+        tag = os.path.join(work, "ckpt", tag_of(1))
         n = sum(math.prod(s) for s in ShardIndex(tag).shapes.values())
         written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tag) for f in fs)
         print(f"--ckpt-format {fmt}: {written / 1e6:.1f} MB written; training state (fp32 weights + "
@@ -267,6 +267,8 @@ def kill9(a: argparse.Namespace) -> None:
     import random
     import signal
 
+    from megapost.checkpoint.folder import TMP_SUFFIX, CheckpointFolder, tag_of
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
     work = tempfile.mkdtemp(prefix="ckpt-kill9-")
     ref_tb = os.path.join(work, "ref")
@@ -281,13 +283,13 @@ def kill9(a: argparse.Namespace) -> None:
         flags = _flags(a, ckpt, a.iters, ["--save-interval", "2", "--async-save"])
         proc = subprocess.Popen([sys.executable, "-m", "megapost.pretrain", *flags], cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while not os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp")) and proc.poll() is None:
+        while not os.path.isdir(os.path.join(ckpt, tag_of(4) + TMP_SUFFIX)) and proc.poll() is None:
             time.sleep(0.01)
         delay = rng.uniform(0, a.max_delay)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        latest = open(os.path.join(ckpt, "latest")).read().strip()
+        latest = CheckpointFolder(ckpt).latest_name()
         tb = os.path.join(work, f"tb{trial}")
         subprocess.run([sys.executable, "-m", "megapost.pretrain", *_flags(a, ckpt, a.iters, [
             "--load", ckpt, "--tensorboard-dir", tb])], cwd=REPO, env=env, check=True,

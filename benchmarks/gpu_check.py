@@ -75,10 +75,10 @@ def nonfinite_skip(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
 
 
 def async_save_touch(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
-    from megapost.checkpoint import saver, sharded
+    from megapost.checkpoint.snapshot import Snapshot
 
     seen: dict[str, Any] = {}
-    real_take = sharded.Snapshot.take
+    real_take = Snapshot.take
 
     def take(self: Any) -> None:
         real_take(self)
@@ -90,19 +90,20 @@ def async_save_touch(shape: tuple, o: argparse.Namespace) -> dict[str, Any]:
         trainer, cfg, _ = build_trainer(_shape_ns(shape), _flags(shape, ["--save", d, "--save-interval", "0",
                                                                          "--async-save"]))
         trainer.train_step(1)
-        sharded.Snapshot.take = take
+        Snapshot.take = take
         try:
             trainer.save()
             trainer.train_step(2)
             trainer.checkpoints.wait()
         finally:
-            sharded.Snapshot.take = real_take
+            Snapshot.take = real_take
         stage = trainer.engine.ds.zero_optimization_stage()
         layout = Layout(tp=1, pp=1, dp=1, zero_stage=stage, micro_batch=1, grad_accum=1)
         planned = async_save_host_bytes(cfg, layout)
     rank_device = trainer.device.index if trainer.device.type == "cuda" else None
-    return {**seen, "rank_device": rank_device, "host_bytes": saver._POOL.nbytes, "planned_bytes": planned,
-            "host_over_planned": saver._POOL.nbytes / planned,
+    pool = trainer.checkpoints.saver.pool
+    return {**seen, "rank_device": rank_device, "host_bytes": pool.nbytes, "planned_bytes": planned,
+            "host_over_planned": pool.nbytes / planned,
             "verdict": "ok" if not seen.get("main") and seen.get("device") == rank_device else "CHECK"}
 
 

@@ -69,10 +69,12 @@ def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) 
     model held at the save (their rounding: a snapshot torn by the later steps would differ)."""
     from safetensors import safe_open
 
-    from megapost.checkpoint import layout_free as lf
+    from megapost.checkpoint.folder import tag_of
+    from megapost.checkpoint.format import DIR, shard_file
+    from megapost.checkpoint.specs import local_parameters
 
     device, cfg = trainer.device, trainer.engine.module.config
-    params = lf.local_parameters(trainer.engine.module, cfg.num_layers, False)
+    params = local_parameters(trainer.engine.module, cfg.num_layers, False)
     at_save = {k: p.detach().clone() for k, p in params.items()}
     sync(device)
     t0 = time.perf_counter()
@@ -81,9 +83,9 @@ def _save_and_step(trainer: Any, step: Any, o: argparse.Namespace, base: float) 
     over = (_mean_s(trainer, step, o, 0) - base) * o.steps
     t1 = time.perf_counter()
     trainer.checkpoints.wait()
-    tag = os.path.join(trainer.config.checkpoint.save, f"iter_{trainer.state.iteration:07d}")
+    tag = os.path.join(trainer.config.checkpoint.save, tag_of(trainer.state.iteration))
     exact = True
-    with safe_open(os.path.join(tag, lf.DIR, lf.shard_file_v2(0, 0, 0)), framework="pt") as f:
+    with safe_open(os.path.join(tag, DIR, shard_file(0, 0, 0)), framework="pt") as f:
         for name, want in at_save.items():
             got = f.get_tensor(f"fp32/{name}").to(want.dtype).view(want.shape)
             exact &= torch.equal(got.to(want.device), want)

@@ -75,3 +75,48 @@ class Engine(Protocol):
 
     def destroy(self) -> None:
         """Release what the engine holds (buffers, hooks, background work)."""
+
+    # ---- what megapost.checkpoint asks (it never sees the implementation's objects) ----------
+    def optimizer_header(self) -> dict[str, Any]:
+        """What a checkpoint records of the optimizer besides its tensors: ``{"step": the optimizer's
+        step count or None, "keys": the sorted keys of its per-parameter state tensors ("exp_avg", ...),
+        "groups": each param group's JSON-able settings but its params}``. Afterwards ``owned_state``
+        returns views of the current state tensors."""
+
+    def init_optimizer_state(self, keys: list[str], step: int | None,
+                             groups: list[dict[str, Any]] | None) -> None:
+        """Before a load writes state in: zeros under ``keys`` (and the count ``step``) for every
+        parameter; each group's settings from ``groups`` (all but the lr, the schedule's)."""
+
+    def held_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        """(start, numel) of the flattened ``param`` whose master and state this rank holds (what
+        ``write_state`` writes): all of it when the optimizer keeps it whole, its partition when the
+        optimizer partitions it over data-parallel ranks; None when it holds none of it."""
+
+    def partitioned(self) -> bool:
+        """Every parameter's master is partitioned over data-parallel ranks and ``rebuild_weights``
+        rebuilds the module's weights from the masters (the same answer on every rank)."""
+
+    def rebuild_weights(self) -> None:
+        """The module's weights from the masters, all-gathered (collective; after ``write_state``)."""
+
+    def scheduler_state(self) -> dict[str, Any] | None:
+        """The lr schedule's state (JSON-able), None without one."""
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        """The lr schedule back to ``state``; its lr applied to the optimizer."""
+
+    def counters(self) -> dict[str, int]:
+        """``global_steps``, ``global_samples``, ``skipped_steps``: what the engine counted."""
+
+    def set_counters(self, counters: dict[str, int]) -> None:
+        """The engine's counters back to ``counters`` (zeros: a fresh start, --finetune)."""
+
+    def save_native(self, directory: str, tag: str, client: dict[str, Any]) -> None:
+        """``--ckpt-format deepspeed``: the implementation's own checkpoint files of this rank into
+        ``directory/tag`` with ``client`` inside (an implementation without its own: refuses in one line)."""
+
+    def load_native(self, directory: str, tag: str, optimizer: bool,
+                    module_only: bool) -> dict[str, Any] | None:
+        """Load ``directory/tag``'s own files (``optimizer``: with optimizer and schedule state;
+        ``module_only``: the weights only): the client state saved with them, None when nothing loaded."""

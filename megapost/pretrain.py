@@ -27,7 +27,7 @@ def run(argv: Sequence[str], faults: FaultInjector = NO_FAULTS) -> dict[str, Any
     ``MEGAPOST_TENSOR_MEMORY=1`` every tensor allocation is counted (``LiveTensorMemory``) so the first
     log line shows the measured peak beside the planner's prediction (slower; for CPU checks). A bare
     ``srun`` task takes its rank and world from SLURM's variables first (runtime/slurm.py). ``faults``:
-    a test harness's (tests/fault_pretrain.py), none in production."""
+    a test harness's (tools/fault_pretrain.py), none in production."""
     note = adopt_slurm_env()
     if note and os.environ["RANK"] == "0":
         print(f"note: {note}", flush=True)

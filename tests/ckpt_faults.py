@@ -52,7 +52,7 @@ def shared_check(base: str) -> list[str | None]:
     out: list[str | None] = []
     for d in (os.path.join(base, "shared"), os.path.join(base, f"node{dist.get_rank()}")):
         try:
-            saver.check_shared(d, dist.get_rank())
+            saver.AsyncSaver().check_shared(d, dist.get_rank())
             out.append(None)
         except SystemExit as e:
             out.append(str(e.code))
@@ -92,7 +92,8 @@ def poisoned_moment(argv: list[str]) -> str | None:
     real = CheckpointManager.save
 
     def save(self: CheckpointManager) -> None:
-        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        ds = self.engine.ds  # DeepSpeed's engine (a test reaches into it)
+        base = getattr(ds.optimizer, "optimizer", ds.optimizer)
         state = next(iter(base.state.values()))
         state["exp_avg"].view(-1)[0] = float("nan")
         real(self)
@@ -128,7 +129,7 @@ def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from megapost.checkpoint import layout_free, own_shard
+    from megapost.checkpoint import format, own_shard, reader
     from megapost.pretrain import run
 
     read: dict[str, int] = defaultdict(int)
@@ -160,7 +161,8 @@ def resume_reads(argv: list[str], assembled: bool) -> dict[str, Any]:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.f, name)
 
-    layout_free.safe_open = Counted  # type: ignore[assignment]
+    reader.safe_open = Counted  # type: ignore[assignment]
+    format.safe_open = Counted  # type: ignore[assignment]
     own_shard.safe_open = Counted  # type: ignore[assignment]
     if assembled:
         own_shard.load = lambda *a, **k: None  # type: ignore[assignment]

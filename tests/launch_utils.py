@@ -49,18 +49,20 @@ def run(cmd: Sequence[str], timeout: float = 600, check: bool = True,
     return proc
 
 
-FAULT_PRETRAIN = "tests/fault_pretrain.py"  # megapost.pretrain with a harness's FaultInjector
+FAULT_PRETRAIN = "tools/fault_pretrain.py"  # megapost.pretrain with a harness's FaultInjector
 
 
-def pretrain(flags: Sequence[str], nprocs: int = 1, fail_rank: str | None = None,
+def pretrain(flags: Sequence[str], nprocs: int = 1, fail_rank: str | None = None, faults: Sequence[str] = (),
              **kw) -> subprocess.CompletedProcess:
-    """``python -m megapost.pretrain`` for one rank, DeepSpeed's launcher for more; ``fail_rank``
-    ("RANK:ITERATION"): that rank raises before that iteration (tests/fault_pretrain.py)."""
-    fault = [] if fail_rank is None else [FAULT_PRETRAIN, "--fail-rank", fail_rank]
+    """``python -m megapost.pretrain`` for one rank, DeepSpeed's launcher for more; with ``faults`` (the
+    FAULTS flags of tools/fault_pretrain.py) or ``fail_rank`` ("RANK:ITERATION": that rank raises before
+    that iteration) through that harness."""
+    fault = [*(["--fail-rank", fail_rank] if fail_rank is not None else []), *faults]
+    entry = [FAULT_PRETRAIN, *fault] if fault else []
     if nprocs == 1:
-        return run([sys.executable, *(fault or ["-m", "megapost.pretrain"]), *flags], **kw)
+        return run([sys.executable, *(entry or ["-m", "megapost.pretrain"]), *flags], **kw)
     return run(["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-                *(fault or ["--module", "megapost.pretrain"]), *flags], **kw)
+                *(entry or ["--module", "megapost.pretrain"]), *flags], **kw)
 
 
 def read_scalars(tb_dir: str | Path, tag: str) -> dict[int, float]:

@@ -1,4 +1,4 @@
-"""The async save's host snapshot (checkpoint/sharded.py Snapshot / HostPool): the writer can never
+"""The async save's host snapshot (checkpoint/snapshot.py Snapshot / HostPool): the writer can never
 skip the device-copy event, whatever the thread interleaving; it sets its rank's CUDA device first;
 one flat host buffer per rank, sized exactly."""
 
@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from megapost.checkpoint import sharded
+from megapost.checkpoint.snapshot import HostPool
+from megapost.checkpoint.writer import RankFiles
 
 
 class _Event:
@@ -31,7 +32,7 @@ def test_writer_waits_for_the_copy_event_even_when_training_waits_first(monkeypa
     """Force the switch: right after the writer marks the host copy taken, the training thread runs
     wait() to completion before the writer goes on. The writer must still synchronize the event."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
-    snap = sharded.HostPool().snapshot(sharded.RankFiles())
+    snap = HostPool().snapshot(RankFiles())
     event, trained = _Event(), threading.Event()
     snap._event = event  # as if device tensors' copies were queued on the side stream
     taken = snap._taken
@@ -57,7 +58,7 @@ def test_writer_sets_the_ranks_device_before_any_cuda_call(monkeypatch) -> None:
     calls: list[tuple[str, object, int]] = []
     monkeypatch.setattr(torch.cuda, "set_device",
                         lambda d: calls.append(("set_device", d, threading.get_ident())))
-    snap = sharded.HostPool().snapshot(sharded.RankFiles())
+    snap = HostPool().snapshot(RankFiles())
     snap.device = torch.device("cuda", 3)  # as if this rank's tensors live on GPU 3
 
     class Ev:
@@ -75,9 +76,9 @@ def test_writer_sets_the_ranks_device_before_any_cuda_call(monkeypatch) -> None:
 def test_one_flat_host_buffer_per_rank_sized_exactly_and_reused() -> None:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, 5, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16)
-    files = sharded.RankFiles([("x.safetensors", [("a", a), ("b", b)], {}),
+    files = RankFiles([("x.safetensors", [("a", a), ("b", b)], {}),
                                ("y.safetensors", [("c", torch.tensor(2.5)), ("d", torch.zeros(0))], {})])
-    pool = sharded.HostPool()
+    pool = HostPool()
     snap = pool.snapshot(files)
     assert pool.nbytes == 64 + 64 + 64 + 0  # 60, 14 and 4 bytes, each rounded up to 64; the empty one 0
     bufs = [t for _, entries, _ in snap.files.files for _, t in entries]
@@ -101,19 +102,18 @@ def test_async_save_buffer_is_allocated_before_the_first_save_and_reused_by_it(t
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_common import build_trainer
 
-    from megapost.checkpoint import saver
     from megapost.runtime.distributed import process_group_scope
 
     b = argparse.Namespace(layers=1, hidden=32, seq=16, micro=2, accum=1, vocab=64)
     with process_group_scope():
         trainer, _, _ = build_trainer(b, ["--save", str(tmp_path), "--save-interval", "0", "--async-save"])
-        saver._POOL._flat = None
+        pool = trainer.checkpoints.saver.pool
         trainer.train_step(1)
-        assert saver._POOL.nbytes == 0  # no moments yet: nothing to size
+        assert pool.nbytes == 0  # no moments yet: nothing to size
         trainer.train_step(2)
-        reserved = saver._POOL._flat
-        assert reserved is not None and saver._POOL.nbytes > 0
+        reserved = pool._flat
+        assert reserved is not None and pool.nbytes > 0
         trainer.save()
         trainer.checkpoints.wait()
-        assert saver._POOL._flat is reserved  # the save used the buffer allocated before it
+        assert pool._flat is reserved  # the save used the buffer allocated before it
         trainer.close()

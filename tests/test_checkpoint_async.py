@@ -138,20 +138,22 @@ def test_the_background_writer_runs_at_idle_priority_and_training_does_not(monke
     import os
     import threading
 
-    from megapost.checkpoint import saver, sharded
+    from megapost.checkpoint import saver
+    from megapost.checkpoint.snapshot import Snapshot
+    from megapost.checkpoint.writer import RankFiles
 
     seen: dict[str, int] = {}
 
     def record(job, files) -> None:
         seen["policy"] = os.sched_getscheduler(0)  # 0: the calling thread (Linux)
 
-    monkeypatch.setattr(saver, "_write", record)
+    monkeypatch.setattr(saver.AsyncSaver, "_write", lambda self, job, files: record(job, files))
     before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
     live, host = torch.ones(8), torch.empty(8)
-    files = sharded.RankFiles([("f.safetensors", [("w", host)], {})])
+    files = RankFiles([("f.safetensors", [("w", host)], {})])
     job = saver._Save(str(tmp_path), "iter_0000001", 1, 0, 1, None)
-    snapshot = sharded.Snapshot(files, [(host, live)], None)
-    thread = threading.Thread(target=saver._background, args=(job, snapshot))
+    snapshot = Snapshot(files, [(host, live)], None)
+    thread = threading.Thread(target=saver.AsyncSaver()._background, args=(job, snapshot))
     thread.start()
     thread.join()
     assert job.error is None and torch.equal(host, live)  # the snapshot was taken, then written

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
+from launch_utils import FAULT_PRETRAIN, REPO, child_env, pretrain, read_scalars, tiny_model_flags
 from safetensors import safe_open
 
 from megapost.checkpoint.stream_write import Staging, write_safetensors
@@ -50,7 +50,7 @@ def test_stream_writer_round_trips_through_safe_open(tmp_path) -> None:
 def _state_bytes(tag: Path) -> int:
     """Training state of a ZeRO-0 fp32 run: fp32 weights + two Adam moments (12 bytes a parameter),
     the parameter count from the model's own shapes."""
-    from megapost.checkpoint.layout_free import ShardIndex
+    from megapost.checkpoint.reader import ShardIndex
 
     shapes = ShardIndex(str(tag)).shapes
     return 12 * sum(math.prod(s) for s in shapes.values())
@@ -72,10 +72,10 @@ def test_async_save_retention_kill9_and_exact_resume(tiny_data, tmp_path) -> Non
     expected = _losses(ref / "tb")
     # kill -9 while the background write of iteration 4 is half done: iteration 2 stays the checkpoint
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "megapost.pretrain",
+    cmd = [sys.executable, FAULT_PRETRAIN, "--slow-save", "4:300",
            *_flags(tiny_data, **{"--train-iters": TOTAL, "--save": ckpt, "--save-interval": 2,
                                  "--async-save": True})]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(MEGAPOST_SLOW_SAVE="4:300"),
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = ckpt / "iter_0000004.tmp" / "layout_free"
     deadline = time.time() + 300
@@ -98,13 +98,13 @@ def test_async_save_retention_kill9_and_exact_resume(tiny_data, tmp_path) -> Non
 
 @pytest.mark.integration
 def test_async_snapshot_is_taken_before_the_next_optimizer_step(tiny_data, tmp_path) -> None:
-    # the background thread copies the state while step 3 runs; MEGAPOST_SLOW_SNAPSHOT stalls that copy
+    # the background thread copies the state while step 3 runs; --slow-snapshot (the fault harness) stalls it
     # after its first tensor for 2 s, so without the wait at the optimizer step the rest of iteration 2's
     # snapshot would hold step 3's weights and moments: resuming from it must match the run bit for bit
     ckpt = tmp_path / "ckpt"
     out = pretrain(_flags(tiny_data, **{"--train-iters": 4, "--save": ckpt, "--save-interval": 2,
                                         "--async-save": True, "--tensorboard-dir": tmp_path / "tb"}),
-                   MEGAPOST_SLOW_SNAPSHOT="2:2")
+                   faults=["--slow-snapshot", "2:2"])
     assert "saving checkpoint (in the background)" in out.stdout
     expected = _losses(tmp_path / "tb")
     (ckpt / "latest").write_text("iter_0000002")

@@ -19,8 +19,8 @@ import pytest
 import torch
 from launch_utils import REPO, child_env, pretrain, read_scalars, tiny_model_flags
 
-from megapost.checkpoint.io import META_FILE
-from megapost.checkpoint.layout_free import ShardIndex, write_manifest
+from megapost.checkpoint.format import META_FILE, write_manifest
+from megapost.checkpoint.reader import ShardIndex
 from megapost.checkpoint.safety import ALLOWED_GLOBALS, SafeCheckpointEngine, load_file, write_error
 from megapost.checkpoint.stream_write import write_safetensors
 from megapost.config.errors import ConfigError

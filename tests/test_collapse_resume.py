@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from launch_utils import pretrain, read_scalars, tiny_model_flags
 
-from megapost.checkpoint import layout_free
+from megapost.checkpoint import codec, format
 
 pytestmark = pytest.mark.integration  # three short runs, one of them on 2 ranks
 
@@ -32,8 +32,8 @@ def _flags(data, out: Path, ckpt: Path, **extra) -> list[str]:
 
 def _record(ckpt: Path) -> dict:
     """The plugin's state in the checkpoint of the last step (the logging rank's record)."""
-    header, tensors = layout_free.read_state(str(ckpt / f"iter_{ITERS:07d}"))
-    return layout_free._decode(header["plugins"], tensors)["collapse_metrics"]
+    header, tensors = format.read_state(str(ckpt / f"iter_{ITERS:07d}"))
+    return codec.decode(header["plugins"], tensors)["collapse_metrics"]
 
 
 def _steps(out: Path) -> list[dict]:

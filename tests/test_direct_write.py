@@ -35,7 +35,7 @@ def _opened_flags(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("blocks", [1, 2, 5])  # a staging buffer smaller than, and larger than, "g"
 def test_direct_write_is_byte_identical_to_the_buffered_one(tmp_path, monkeypatch, blocks) -> None:
-    if not stream_write._direct_supported(str(tmp_path)):
+    if not stream_write.direct_supported(str(tmp_path), {}):
         pytest.skip("this filesystem refuses O_DIRECT (the fallback test covers it)")
     flags = _opened_flags(monkeypatch)
     direct, buffered = tmp_path / "direct.safetensors", tmp_path / "buffered.safetensors"
@@ -53,10 +53,11 @@ def test_direct_write_is_byte_identical_to_the_buffered_one(tmp_path, monkeypatc
 
 
 def test_a_filesystem_without_o_direct_gets_buffered_writes(tmp_path, monkeypatch) -> None:
-    monkeypatch.setitem(stream_write._DIRECT, os.stat(tmp_path).st_dev, False)
+    staging = Staging(BLOCK)
+    staging.direct[os.stat(tmp_path).st_dev] = False  # what a probe of such a filesystem leaves
     flags = _opened_flags(monkeypatch)
     path = tmp_path / "x.safetensors"
-    write_safetensors(str(path), ENTRIES, {}, Staging(BLOCK), direct=True)
+    write_safetensors(str(path), ENTRIES, {}, staging, direct=True)
     assert not any(f & getattr(os, "O_DIRECT", 0) for f in flags)
     with safe_open(str(path), framework="pt") as f:
         assert torch.equal(f.get_tensor("g"), ENTRIES[0][1])
@@ -83,9 +84,8 @@ def test_a_memory_filesystem_gets_buffered_writes(monkeypatch) -> None:
     if not os.path.isdir(directory) or _fs_type_by_stat(directory) != "tmpfs":
         pytest.skip(f"{directory} is not tmpfs here (coreutils stat)")
     assert stream_write.filesystem_type(directory) == "tmpfs"
-    monkeypatch.delitem(stream_write._DIRECT, os.stat(directory).st_dev, raising=False)
     flags = _opened_flags(monkeypatch)
-    assert not stream_write._direct_supported(directory)
+    assert not stream_write.direct_supported(directory, {})
     assert not any(f & getattr(os, "O_DIRECT", 0) for f in flags), "tmpfs was probed with O_DIRECT"
 
 

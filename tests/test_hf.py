@@ -22,7 +22,7 @@ import torch
 from launch_utils import REPO, pretrain, tiny_model_flags
 from safetensors.torch import load_file, save_file
 
-from megapost.checkpoint.layout_free import ShardIndex
+from megapost.checkpoint.reader import ShardIndex
 from megapost.config.errors import ConfigError
 from megapost.model import LlamaModel, ModelConfig
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapost.checkpoint.hf import HFReader, export, model_flags_from_hf
-from megapost.checkpoint.layout_free import full_shapes
+from megapost.checkpoint.specs import full_shapes
 from megapost.config.errors import ConfigError
 from megapost.model import LlamaModel, ModelConfig
 from megapost.model.placements import PLACEMENTS

@@ -39,7 +39,7 @@ BAD_IMPORTS = [  # (module, bad import, the contract it breaks): one copy of the
      "model imports nothing of megapost but utils"),
     ("plugins/collapse_metrics/state.py", "import megapost.model.config",
      "collapse_metrics imports nothing of megapost but megapost.plugin_api"),
-    ("megapost/optim/schedule.py", "import megapost.checkpoint.io",
+    ("megapost/optim/schedule.py", "import megapost.checkpoint.format",
      "optim never imports checkpoint or train"),
     ("megapost/ds_adapter/fragments.py", "import megapost.utils.atomic",
      "ds_adapter (DeepSpeed private API) imports nothing of megapost"),
@@ -94,11 +94,11 @@ def private_deepspeed_access(root: Path) -> list[str]:
 
 def test_private_deepspeed_api_only_in_the_adapter(tree_copy: Path) -> None:
     assert private_deepspeed_access(ROOT) == []
-    path = tree_copy / "megapost" / "checkpoint" / "sharded.py"
+    path = tree_copy / "megapost" / "checkpoint" / "writer.py"
     original = path.read_text()
     path.write_text(original + "\nfrom deepspeed.runtime.utils import see_memory_usage  # deliberately\n")
     try:
         hits = private_deepspeed_access(tree_copy)
-        assert [h.split(":")[0] for h in hits] == ["megapost/checkpoint/sharded.py"], hits
+        assert [h.split(":")[0] for h in hits] == ["megapost/checkpoint/writer.py"], hits
     finally:
         path.write_text(original)

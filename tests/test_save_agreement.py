@@ -19,23 +19,24 @@ def test_poll_agrees_only_when_due(monkeypatch) -> None:
     thread = threading.Thread(target=release.wait)
     thread.start()
     job = saver._Save("/nonexistent", "iter_0000002", 2, 0, 1, None, thread=thread)
-    monkeypatch.setattr(saver, "_pending", job)
-    monkeypatch.setattr(saver, "_published", lambda _job: calls.append(-1))
+    saving = saver.AsyncSaver()
+    saving.pending = job
+    monkeypatch.setattr(saving, "_published", lambda _job: calls.append(-1))
 
     def agree(j: saver._Save, done: bool) -> bool:
         calls.append(j.boundaries)
         return done
 
-    monkeypatch.setattr(saver, "_agree", agree)
+    monkeypatch.setattr(saving, "_agree", agree)
     try:
         for _ in range(7):  # boundaries 1..7 while the write runs: agreements at 1, 2, 4
-            saver.poll()
+            saving.poll()
         assert calls == [1, 2, 4]
         release.set()
         thread.join()
-        saver.poll()  # boundary 8: due, the write is done: published
-        assert calls == [1, 2, 4, 8, -1] and saver._pending is None
-        saver.poll()  # nothing pending: nothing
+        saving.poll()  # boundary 8: due, the write is done: published
+        assert calls == [1, 2, 4, 8, -1] and saving.pending is None
+        saving.poll()  # nothing pending: nothing
         assert calls == [1, 2, 4, 8, -1]
     finally:
         release.set()

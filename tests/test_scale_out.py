@@ -189,7 +189,7 @@ def _failing_flags(data, **overrides) -> list[str]:
 
 @pytest.mark.integration
 def test_rank_that_raises_ends_the_job(tiny_data, tmp_path) -> None:
-    """--fail-rank 1:3 (tests/fault_pretrain.py): rank 1 raises before iteration 3; rank 0, blocked in a
+    """--fail-rank 1:3 (tools/fault_pretrain.py): rank 1 raises before iteration 3; rank 0, blocked in a
     tensor-parallel collective with it, must not outlive it for long."""
     job = Job(_deepspeed(2, [FAULT_PRETRAIN, "--fail-rank", "1:3", *_failing_flags(tiny_data)]),
               tmp_path / "log")

@@ -71,7 +71,7 @@ def test_a_kill_after_a_save_loses_no_tensorboard_step(tiny_data, tmp_path) -> N
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     flags = tiny_model_flags(tiny_data, **{"--train-iters": 6, "--log-interval": 4, "--save-interval": 3,
                                            "--save": ckpt, "--tensorboard-dir": tb})
-    killed = pretrain(flags, check=False, MEGAPOST_KILL_POINT="forward:7:0")  # 2 micro-batches a step
+    killed = pretrain(flags, check=False, faults=["--kill-point", "forward:7:0"])  # 2 micro-batches a step
     assert killed.returncode == -9 and "in forward (pass 7)" in killed.stderr, killed.stderr[-2000:]
     assert (ckpt / "latest").read_text() == "iter_0000003"
     pretrain([*flags, "--load", str(ckpt)])

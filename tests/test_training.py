@@ -138,8 +138,10 @@ def test_non_finite_loss_stops_with_a_one_line_error(tiny_data) -> None:
 
 @pytest.mark.parametrize("saved_zero, zero, refused", [(1, 1, True), (0, 0, False), (0, 1, True)])
 def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_zero, zero, refused) -> None:
-    from megapost.checkpoint.io import META_FILE, RunLayout, check_layout
+    from megapost.checkpoint.format import META_FILE
+    from megapost.checkpoint.layout import RunLayout, check_layout
     from megapost.config.errors import ConfigError
+    from megapost.model import ModelConfig
 
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "latest").write_text("iter_0000002")
@@ -148,7 +150,7 @@ def test_zero_shards_of_another_data_parallel_size_are_refused(tmp_path, saved_z
     (tmp_path / "iter_0000002" / META_FILE).write_text(json.dumps(meta))
     args = parse_args(["--load", str(tmp_path), "--zero-stage", str(zero)])
     args.data_parallel_size = 1
-    run = RunLayout.of(vars(args))
+    run = RunLayout.before_resolution(ModelConfig(vocab_size=128), vars(args))
     if refused:
         with pytest.raises(ConfigError, match="ZeRO optimizer shards for 2 data-parallel ranks"):
             check_layout(str(tmp_path), run)

@@ -1,7 +1,7 @@
 """Soak: train a tiny model with the real trainer under DeepSpeed's launcher (2 CPU ranks, gloo), SIGKILL
 a rank again and again — inside forward, backward, the optimizer step, a synchronous save, an async
-write, evaluation, the data index build (``megapost.utils.kill_points``: the rank kills itself at a
-seeded pass) and at random wall-clock moments (this supervisor kills a rank's pid) — relaunch the whole
+write, evaluation, the data index build (``tools/fault_pretrain.py --kill-point``: the rank kills itself
+at a seeded pass) and at random wall-clock moments (this supervisor kills a rank's pid) — relaunch the whole
 job each time as a cluster requeue would (it resumes from ``latest``), fill the disk once during an
 async write (ENOSPC), then compare with an uninterrupted run of the same config: the final checkpoint's
 tensors, every TensorBoard scalar series and the JSONL log, bit for bit, each step exactly once.
@@ -10,7 +10,7 @@ tensors, every TensorBoard scalar series and the JSONL log, bit for bit, each st
 
 ``--save`` lives on a tmpfs mounted for the soak when this process may mount one (root); the ENOSPC
 case then fills that real filesystem. Otherwise the writer raises ENOSPC by fault injection
-(``MEGAPOST_FAULT_ENOSPC``), and the report says so.
+(``tools/fault_pretrain.py --enospc``), and the report says so.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak_compare  # noqa: E402
 import soak_parts  # noqa: E402
+
+from megapost.checkpoint.folder import tag_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KILL_LINE = re.compile(r"megapost kill point: SIGKILL rank (\d+) \(pid \d+\) in (\w+) \(pass (\d+)\)")
@@ -88,12 +90,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(argv: list[str], log: str, env: dict[str, str], watch: Any, timeout: float
-           ) -> tuple[int, float, Any]:
-    """One job: DeepSpeed's launcher, 2 ranks; ``watch(proc)`` (None: nothing) runs while it does
-    (a wall-clock kill, the disk filler). Returns (exit status, seconds, what ``watch`` returned)."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-           "megapost.pretrain", *argv]
+def launch(argv: list[str], log: str, env: dict[str, str], watch: Any, timeout: float,
+           faults: list[str] | None = None) -> tuple[int, float, Any]:
+    """One job: DeepSpeed's launcher, 2 ranks, through the fault harness (``faults``: its FAULTS flags;
+    none: an ordinary run); ``watch(proc)`` (None: nothing) runs while it does (a wall-clock kill, the
+    disk filler). Returns (exit status, seconds, what ``watch`` returned)."""
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+           str(REPO / "tools" / "fault_pretrain.py"), *(faults or []), *argv]
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -110,8 +113,7 @@ def launch(argv: list[str], log: str, env: dict[str, str], watch: Any, timeout: 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     path = os.pathsep.join([str(REPO), str(REPO / "plugins"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGAPOST_KILL_POINT",
-                "MEGAPOST_FAULT_ENOSPC"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return {**env, **extra}
 
@@ -148,10 +150,11 @@ def run_attempt(cfg: SoakConfig, a: Attempt, ctx: dict[str, Any], kills_left: in
     """Launch attempt ``a`` with its fault and record what happened."""
     save, run_dir = ctx["save"], ctx["run_dir"]
     a.resumed_from = soak_parts.latest_iteration(save)
-    extra, wall = {}, None
+    faults: list[str] = []
+    wall = None
     if a.kind in STEP_PHASES or a.kind == "index_build":
         a.hit = pass_to_kill(cfg, a, a.resumed_from, kills_left, rng)
-        extra["MEGAPOST_KILL_POINT"] = f"{a.kind}:{a.hit}:{a.rank}"
+        faults += ["--kill-point", f"{a.kind}:{a.hit}:{a.rank}"]
         if a.kind == "index_build":  # a fresh node's scratch: the indices are built again
             shutil.rmtree(os.path.join(run_dir, "index-cache"), ignore_errors=True)
     log = os.path.join(ctx["logs"], f"attempt-{a.index:02d}-{a.kind}.log")
@@ -159,10 +162,10 @@ def run_attempt(cfg: SoakConfig, a: Attempt, ctx: dict[str, Any], kills_left: in
         delay = rng.uniform(0.0, 3.0)
         wall = lambda proc, log: soak_parts.wall_clock_kill(proc, log, delay, int(a.rank or 0))  # noqa: E731
     elif a.kind == "enospc":
-        env, wall = soak_parts.fill_disk(save, ctx["tmpfs"], cfg.save_interval)
-        extra.update(env)
+        more, wall = soak_parts.fill_disk(save, ctx["tmpfs"], cfg.save_interval)
+        faults += more
     argv = flags(cfg, ctx["data"], run_dir, save, a.async_save)
-    a.rc, a.seconds, killed_rank = launch(argv, log, child_env(extra), wall, cfg.timeout)
+    a.rc, a.seconds, killed_rank = launch(argv, log, child_env({}), wall, cfg.timeout, faults)
     text = Path(log).read_text(errors="replace")
     match = KILL_LINE.search(text)
     if match:
@@ -212,7 +215,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         soak_seconds = time.perf_counter() - started
         final = os.path.join(str(work), "soak-final")
         shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(os.path.join(ctx["save"], f"iter_{cfg.steps:07d}"), final)
+        shutil.copytree(os.path.join(ctx["save"], tag_of(cfg.steps)), final)
     finally:
         soak_parts.unmount(str(work / "save-fs"), tmpfs)
     reference = soak_parts.reference_run(cfg, data, str(work), flags, launch, child_env)

@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from megapost.checkpoint.folder import CheckpointFolder, iteration_of, tag_of
+
 BALLAST = "ballast.bin"  # fills the tmpfs during the ENOSPC attempt
 TMPFS_MB = 256
 
@@ -65,11 +67,8 @@ def unmount(path: str, mounted: bool) -> None:
 
 
 def latest_iteration(save: str) -> int:
-    try:
-        with open(os.path.join(save, "latest")) as f:
-            return int(f.read().strip().removeprefix("iter_"))
-    except (OSError, ValueError):
-        return 0
+    """The iteration of the tag ``latest`` names (0: none)."""
+    return iteration_of(CheckpointFolder(save).latest_name() or "") or 0
 
 
 def _tree_bytes(path: str) -> int:
@@ -91,16 +90,16 @@ def fill(path: str) -> int:
     return size
 
 
-def fill_disk(save: str, tmpfs: bool, save_interval: int) -> tuple[dict[str, str], Any]:
-    """The ENOSPC attempt's environment and watcher. On the tmpfs: the first save of the attempt pauses
-    4 s with its first file half written (``MEGAPOST_SLOW_SAVE``); once rank 0 has said it is saving in
-    the background, the watcher fills the filesystem with a ballast file, and the background write goes
-    on into a full disk. Without a
-    tmpfs: the writer's fault injection (``MEGAPOST_FAULT_ENOSPC``)."""
+def fill_disk(save: str, tmpfs: bool, save_interval: int) -> tuple[list[str], Any]:
+    """The ENOSPC attempt's faults (tools/fault_pretrain.py) and watcher. On the tmpfs: the first save of
+    the attempt pauses 4 s with its first file half written (``--slow-save``); once rank 0 has said it
+    is saving in the background, the watcher fills the filesystem with a ballast file, and the
+    background write goes on into a full disk. Without a tmpfs: the writer's fault (``--enospc 1``)."""
     if not tmpfs:
-        return {"MEGAPOST_FAULT_ENOSPC": "1"}, None
+        return ["--enospc", "1"], None
     it = latest_iteration(save)
-    tag = f"iter_{it - it % save_interval + save_interval:07d}"
+    iteration = it - it % save_interval + save_interval
+    tag = tag_of(iteration)
 
     def watch(proc: subprocess.Popen, log: str) -> None:
         started = f"saving checkpoint (in the background) {os.path.join(save, tag)}"  # the 4 s pause begun
@@ -113,7 +112,7 @@ def fill_disk(save: str, tmpfs: bool, save_interval: int) -> tuple[dict[str, str
             return
         fill(os.path.join(os.path.dirname(save), BALLAST))
 
-    return {"MEGAPOST_SLOW_SAVE": f"{tag.removeprefix('iter_').lstrip('0')}:4"}, watch
+    return ["--slow-save", f"{iteration}:4"], watch
 
 
 def empty_disk(save: str) -> None:
@@ -125,9 +124,9 @@ def empty_disk(save: str) -> None:
 def enospc_facts(attempt: Any, text: str, save: str) -> dict[str, Any]:
     """What the ENOSPC attempt showed: its one-line error (how often printed), ``latest`` after it."""
     lines = [ln.strip() for ln in text.splitlines() if "not saved:" in ln]
-    latest = f"iter_{latest_iteration(save):07d}" if os.path.exists(os.path.join(save, "latest")) else None
+    latest = CheckpointFolder(save).latest_name()
     return {"line": attempt.enospc_line, "printed": len(lines), "rc": attempt.rc,
-            "latest_before": f"iter_{attempt.resumed_from:07d}" if attempt.resumed_from else None,
+            "latest_before": tag_of(attempt.resumed_from) if attempt.resumed_from else None,
             "latest_after": latest,
             "no_space": bool(attempt.enospc_line) and os.strerror(errno.ENOSPC).lower()[:8] in
             attempt.enospc_line.lower()}
@@ -142,7 +141,7 @@ def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
         except psutil.Error:
             continue
         ranks = [a.split("=", 1)[1] for a in cmd if a.startswith("--local_rank=")]
-        if "megapost.pretrain" in cmd and ranks:
+        if any(a.endswith("fault_pretrain.py") or a == "megapost.pretrain" for a in cmd) and ranks:
             out[int(ranks[0])] = child.pid
     return out
 
@@ -180,7 +179,7 @@ def reference_run(cfg: Any, data: dict[str, str], work: str, flags: Any, launch:
     rc, seconds, _ = launch(flags(cfg, data, run_dir, save, True), log, child_env({}), None, cfg.timeout)
     if rc != 0:
         raise RuntimeError(f"the reference run failed ({rc}): see {log}")
-    return {"seconds": seconds, "final": os.path.join(save, f"iter_{cfg.steps:07d}"),
+    return {"seconds": seconds, "final": os.path.join(save, tag_of(cfg.steps)),
             "tensorboard": os.path.join(run_dir, "tensorboard")}
 
 

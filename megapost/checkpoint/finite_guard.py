@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapost.checkpoint.io import last_complete
+from megapost.checkpoint.folder import last_complete
 
 
 def _finite(t: Any, device: torch.device) -> torch.Tensor:

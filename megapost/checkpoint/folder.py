@@ -20,7 +20,8 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from megapost.checkpoint import layout_free, retention
+from megapost.checkpoint import retention
+from megapost.checkpoint.format import check_complete
 from megapost.config.errors import ConfigError
 from megapost.utils.atomic import atomic_write_text
 
@@ -84,11 +85,15 @@ class CheckpointFolder:
         if not os.path.isdir(tag_dir):
             return False
         try:
-            if layout_free.check_complete(tag_dir):
+            if check_complete(tag_dir):
                 return True
         except (ConfigError, OSError, ValueError, KeyError):
             return False
         return any(n.endswith(".pt") for n in os.listdir(tag_dir))
+
+    def has_latest(self) -> bool:
+        """A ``latest`` file is there (whatever it says)."""
+        return os.path.isfile(self._p(LATEST))
 
     def latest_name(self) -> str | None:
         """What ``latest`` says (stripped), None when it is missing, empty or unreadable."""
@@ -140,6 +145,10 @@ class CheckpointFolder:
         except ConfigError:
             return None
         return self._p(tag) if self.is_complete(tag) else None
+
+    def tag_dir(self, flag: str = "--load", step: int | None = None) -> str:
+        """The directory of the tag :meth:`resolve` picks (``step``: that iteration's)."""
+        return self._p(self.resolve(flag, step).tag)
 
     # ---- changing (global rank 0) ---------------------------------------------------------
     def publish(self, tag: str) -> None:
@@ -209,3 +218,8 @@ class CheckpointFolder:
         for tag in doomed:
             shutil.rmtree(self._p(tag), ignore_errors=True)
         return doomed
+
+
+def last_complete(directory: str | None) -> str | None:
+    """``directory/tag`` a resume from ``directory`` would load now, else None."""
+    return CheckpointFolder(directory).last_complete() if directory else None

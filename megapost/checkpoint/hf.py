@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megapost.config.errors import ConfigError
+from megapost.engine import Engine
 from megapost.model import ModelConfig
 from megapost.utils.atomic import give_default_mode
 
@@ -288,9 +289,10 @@ class HFReader:
             return tuple(f.get_slice(key).get_shape())
 
 
-def load_hf_weights(engine: Any, pstate: Any, hf_dir: str) -> None:
+def load_hf_weights(engine: Engine, pstate: Any, hf_dir: str) -> None:
     """Set this rank's weights (and fp32 masters) from a Hugging Face Llama directory."""
-    from megapost.checkpoint.layout_free import full_shapes, local_parameters, set_local_params
+    from megapost.checkpoint.reader import set_local_params
+    from megapost.checkpoint.specs import full_shapes, local_parameters
 
     cfg: ModelConfig = engine.module.config
     reader = HFReader(hf_dir)

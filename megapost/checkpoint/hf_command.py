@@ -13,27 +13,20 @@ from __future__ import annotations
 import argparse
 import os
 
+from megapost.checkpoint.folder import CheckpointFolder
+from megapost.checkpoint.format import check_complete
 from megapost.checkpoint.hf import export
-from megapost.checkpoint.layout_free import ShardIndex, check_complete
+from megapost.checkpoint.reader import ShardIndex
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
 
 
 def tag_dir(load: str, iteration: int | None) -> str:
-    if iteration is not None:
-        tag = f"iter_{iteration:07d}"
-    else:
-        latest = os.path.join(load, "latest")
-        if not os.path.isfile(latest):
-            raise ConfigError(f"--load {load}: no 'latest' file; pass --iteration or a megapost checkpoint")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load, tag)
-    if not os.path.isdir(path):
-        raise ConfigError(f"--load {load}: no tag {tag}")
+    """The tag to export: ``--iteration``'s, else the one a resume would load."""
+    path = CheckpointFolder(load).tag_dir(step=iteration)
     if not check_complete(path):
-        raise ConfigError(f"--load {load}: tag {tag} has no layout-free state (saved by an older megapost); "
-                          "resume it once and save again")
+        raise ConfigError(f"--load {load}: tag {os.path.basename(path)} has no layout-free state (saved by "
+                          "an older megapost); resume it once and save again")
     return path
 
 

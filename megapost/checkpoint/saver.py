@@ -1,12 +1,13 @@
 """Saving a tag: every rank writes only its own files, in the foreground or (``--async-save``) in a
-background thread; global rank 0 publishes the tag once every rank says its files are there.
+background thread; global rank 0 publishes the tag once every rank says its files are there. One
+:class:`AsyncSaver` per rank, owned by the checkpoint manager (``megapost.train.checkpoints``).
 
 A tag is written under ``iter_XXXXXXX.tmp``; each rank's file appears under its final name only when
 complete (temp name, then rename). Nobody polls the filesystem: the ranks agree that a save is done
-with one small all-reduce (:func:`_agree`, on a CPU/gloo group, so it never waits on the device) —
-right after the write for a synchronous save, and at step boundaries 1, 2, 4, 8, ... then every 64
-while a background save is pending (:func:`poll`, as Megatron-LM finalises its async saves at the next
-steps; every rank writes files, so every rank takes part). When every rank's
+with one small all-reduce (:meth:`AsyncSaver._agree`, on a CPU/gloo group, so it never waits on the
+device) — right after the write for a synchronous save, and at step boundaries 1, 2, 4, 8, ... then
+every 64 while a background save is pending (:meth:`AsyncSaver.poll`, as Megatron-LM finalises its
+async saves at the next steps; every rank writes files, so every rank takes part). When every rank's
 write is done, rank 0 writes the manifest and publishes the tag (``CheckpointFolder.publish``:
 ``latest`` names it, tags beyond it are set aside, ``--save-retain`` applied); when one failed, every
 rank raises the same one-line error (the file and the OS error) at that step and ``latest`` keeps
@@ -15,10 +16,13 @@ the next save removes.
 
 Under ``--async-save`` the host snapshot is taken by the background thread while the next step's
 forward and backward run; the optimizer step, a rollback and a load wait for it first
-(:func:`before_state_changes`). That thread then checks the snapshot (exactly what it writes) is
-finite: a non-finite one is not written, and every rank stops at the next step boundary in one line.
-The next save and the end of training wait for the write and agree
-(:func:`wait_pending`); an error or interrupt waits for this rank's write only (no collective).
+(:meth:`AsyncSaver.before_state_changes`). That thread then checks the snapshot (exactly what it
+writes) is finite: a non-finite one is not written, and every rank stops at the next step boundary in
+one line. The next save and the end of training wait for the write and agree
+(:meth:`AsyncSaver.wait_pending`); an error or interrupt waits for this rank's write only.
+
+Faults: the ``FaultInjector`` given (``megapost.utils.faults``; a no-op in production) is called with
+each file half written and with an async snapshot's first tensor copied.
 """
 
 from __future__ import annotations
@@ -35,18 +39,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapost.checkpoint import data_identity, finite_guard, io, sharded
-from megapost.checkpoint import layout_free as lf
+from megapost.checkpoint import codec, data_identity, finite_guard
 from megapost.checkpoint import safety as checkpoint_safety
-from megapost.checkpoint.folder import TMP_SUFFIX, CheckpointFolder, tag_of
+from megapost.checkpoint.folder import TMP_SUFFIX, CheckpointFolder, last_complete, tag_of
+from megapost.checkpoint.format import FORMAT, META_FILE, write_manifest
+from megapost.checkpoint.layout import RunLayout
+from megapost.checkpoint.snapshot import HostPool, Snapshot
 from megapost.checkpoint.stream_write import Staging
+from megapost.checkpoint.writer import RankFiles, rank_files, write_rank_files
 from megapost.config.errors import ConfigError
 from megapost.config.resolved import Config
-from megapost.utils import kill_points
+from megapost.engine import Engine
 from megapost.utils.atomic import atomic_path, atomic_write_text
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
-_STAGING = Staging()
-_POOL = sharded.HostPool()
+MESSAGE_BYTES = 1024
+POLL_EVERY_AT_MOST = 64  # step boundaries between two agreements on a long pending save
+SHARED_MARKER = ".megapost-shared-check"
 
 
 @dataclass
@@ -68,7 +77,7 @@ class _Save:
     started_at: float = 0.0  # time.perf_counter() when the background thread began
     done_at: float = 0.0  # time.perf_counter() when the background write ended
     cpu_s: float = 0.0  # CPU time the background thread used
-    snapshot: sharded.Snapshot | None = None  # until the training thread has waited for it
+    snapshot: Snapshot | None = None  # until the training thread has waited for it
     boundaries: int = 0  # step boundaries polled while pending (the same count on every rank)
 
     @property
@@ -76,111 +85,27 @@ class _Save:
         return os.path.join(self.directory, self.tag + TMP_SUFFIX)
 
 
-_pending: _Save | None = None
-_GROUP: list[Any] = []  # the CPU (gloo) group the agreement runs on, made at the first save
-_MESSAGE_BYTES = 1024
-
-
-def _distributed() -> bool:
+def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()
 
 
-def cpu_group() -> Any:
-    """A gloo group over every rank for small host-side agreements (the default group when it is gloo);
-    collective: every rank calls it the first time at the same point."""
-    if not _GROUP:
-        _GROUP.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
-    return _GROUP[0]
-
-
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror or e} (errno {e.errno})"
     text = str(e.code if isinstance(e, SystemExit) else e).removeprefix("error: ")
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _agree(job: _Save, done: bool) -> bool:
-    """Every rank's state of ``job`` in one all-reduce of one integer: True when all have written their
-    files, False while one is still writing; raises (on every rank alike) when one failed, with the
-    error of the lowest such rank."""
-    world, failed = job.world, job.error is not None
-    code = 2 * world + (world - 1 - job.rank) if failed else (0 if done else world)
-    if _distributed():
-        flag = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        code = int(flag[0])
-    if code < world:
-        return True
-    if code < 2 * world:
-        return False
-    rank = world - 1 - (code - 2 * world)
-    message = _one_line(_error(job.error, job)) if job.error is not None and job.rank == rank else ""
-    if _distributed():
-        raw = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-        encoded = message.encode()[:_MESSAGE_BYTES]
-        raw[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded else raw[:0]
-        dist.all_reduce(raw, op=dist.ReduceOp.MAX, group=cpu_group())
-        message = bytes(raw.numpy()).rstrip(b"\0").decode(errors="replace")
-    raise ConfigError(f"checkpoint {job.tag} not saved: rank {rank}: {message}; 'latest' still names "
-                      f"{os.path.basename(job.previous) if job.previous else 'no tag'}")
-
-
-def _test_pause(tag: str, var: str = "MEGAPOST_SLOW_SAVE") -> Any:
-    """``MEGAPOST_SLOW_SAVE=ITER:SECONDS`` (tests: kill -9 during a write): the save of iteration ITER
-    sleeps SECONDS with its first file half written; ``MEGAPOST_SLOW_SNAPSHOT``: with its async
-    snapshot's first tensor copied (the next optimizer step must wait)."""
-    spec = os.environ.get(var, "")
-    if ":" not in spec or tag != tag_of(int(spec.split(":")[0])):
-        return None
-    return lambda: time.sleep(float(spec.split(":")[1]))
-
-
-def _write(job: _Save, files: sharded.RankFiles) -> None:
-    """Write this rank's files (an error is kept in ``job.error`` for :func:`_agree`); each file passes
-    the soak's kill point (``sync_save`` / ``async_write``) half written."""
-    test_pause = _test_pause(job.tag)
-
-    def pause() -> None:
-        kill_points.hit(kill_points.save_phase())
-        if test_pause is not None:
-            test_pause()
-
-    try:
-        background = job.thread is not None  # it bypasses the page cache: less contention with training
-        job.written = sharded.write_rank_files(job.tmp_dir, files, _STAGING, pause, direct=background)
-    except Exception as e:
-        job.error = e
-
-
-def _publish(job: _Save) -> None:
-    """Rank 0, once every rank's files are there: manifest, final name, ``latest``, set-aside, retention."""
-    if job.rank != 0:
-        return
-    lf.write_manifest(job.tmp_dir)
-    folder = CheckpointFolder(job.directory)
-    folder.publish(job.tag)
-    folder.set_aside(job.iteration)  # after a rollback: tags of the abandoned timeline
-    if job.keep:
-        folder.retain(job.iteration, job.keep, job.every, job.interval)
-    if job.thread is not None:  # an async save, now published: its size and the write's seconds
-        final = os.path.join(job.directory, job.tag)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
-        print(f" async save complete: {final} ({size / 2**30:.3g} GB in "
-              f"{job.done_at - job.started_at:.1f} s)", flush=True)
-
-
-def _published(job: _Save) -> None:
-    """:func:`_publish` of a background save, then a barrier on the CPU group (once per save): no rank
-    reads 'latest' again (the next save's previous tag, its error line) before rank 0 has moved it."""
-    _publish(job)
-    if _distributed():
-        dist.barrier(group=cpu_group())
+def agreement_due(n: int) -> bool:
+    """Whether the ``n``-th step boundary (from 1) of a pending save agrees: at 1, 2, 4, 8, ... then
+    every ``POLL_EVERY_AT_MOST``: O(log) all-reduces over the world per save instead of one per step,
+    publishing at most twice as late as the write ends (the same steps on every rank: no host clock)."""
+    return n & (n - 1) == 0 or n % POLL_EVERY_AT_MOST == 0
 
 
 def lower_priority() -> None:
@@ -195,186 +120,246 @@ def lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
-def _background(job: _Save, snapshot: sharded.Snapshot) -> None:
-    job.started_at = time.perf_counter()
-    try:
-        snapshot.take()  # at training's priority: the next optimizer step waits for it
-        lower_priority()
-        host_copies = snapshot.files.tensors()  # exactly what _write writes
-        finite_guard.refuse_non_finite(host_copies, (), job.iteration, job.directory, torch.device("cpu"),
-                                       everywhere=False)  # a failure reaches every rank via _agree
-        _write(job, snapshot.files)
-    except BaseException as e:  # surfaces in poll / wait_pending
-        job.error = e
-    finally:
-        job.done_at, job.cpu_s = time.perf_counter(), time.thread_time()
-
-
 def _error(e: BaseException, job: _Save) -> BaseException:
     if isinstance(e, OSError):
         return checkpoint_safety.write_error(e, job.tmp_dir, job.previous) or e
     return e
 
 
-def before_state_changes() -> None:
-    """Call before anything changes the saved state (the optimizer step, a rollback, a load): blocks
-    until a background save's host snapshot is taken (host tensors), or orders the device's copies
-    before the current stream's next kernels (CUDA; no host synchronisation). Cheap when none."""
-    job = _pending
-    if job is not None and job.snapshot is not None:
-        job.snapshot.wait()
-        job.snapshot = None
-
-
-POLL_EVERY_AT_MOST = 64  # step boundaries between two agreements on a long pending save
-
-
-def agreement_due(n: int) -> bool:
-    """Whether the ``n``-th step boundary (from 1) of a pending save agrees: at 1, 2, 4, 8, ... then
-    every ``POLL_EVERY_AT_MOST``: O(log) all-reduces over the world per save instead of one per step,
-    publishing at most twice as late as the write ends (the same steps on every rank: no host clock)."""
-    return n & (n - 1) == 0 or n % POLL_EVERY_AT_MOST == 0
-
-
-def poll() -> None:
-    """At a step boundary, on every rank: nothing when no background save is pending or no agreement is
-    due (``agreement_due``); else one small all-reduce (host memory, no device sync) — every rank done:
-    rank 0 publishes the tag; one failed: every rank raises its one-line error now."""
-    global _pending
-    job = _pending
-    if job is None or job.thread is None:
+def publish(job: _Save) -> None:
+    """Rank 0, once every rank's files are there: manifest, final name, ``latest``, set-aside, retention."""
+    if job.rank != 0:
         return
-    job.boundaries += 1
-    if not agreement_due(job.boundaries):
-        return
-    alive = job.thread.is_alive()
-    try:
-        if not _agree(job, done=not alive):
-            return
-    except BaseException:
-        _pending = None
-        raise
-    _pending = None
-    job.thread.join()
-    _published(job)
+    write_manifest(job.tmp_dir)
+    folder = CheckpointFolder(job.directory)
+    folder.publish(job.tag)
+    folder.set_aside(job.iteration)  # after a rollback: tags of the abandoned timeline
+    if job.keep:
+        folder.retain(job.iteration, job.keep, job.every, job.interval)
+    if job.thread is not None:  # an async save, now published: its size and the write's seconds
+        final = os.path.join(job.directory, job.tag)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
+        print(f" async save complete: {final} ({size / 2**30:.3g} GB in "
+              f"{job.done_at - job.started_at:.1f} s)", flush=True)
 
 
-def wait_pending(raise_errors: bool = True) -> int:
-    """Block until the background save is written; returns this rank's bytes. ``raise_errors`` (the
-    next save, the end of training; every rank): agree, then rank 0 publishes and every rank raises a
-    failure. Without it (an error or interrupt path): this rank's write only; the tag stays
-    unpublished."""
-    global _pending
-    job, _pending = _pending, None
-    if job is None or job.thread is None:
-        return 0
-    job.thread.join()
-    if raise_errors:
-        _agree(job, done=True)
-        _published(job)
-    return job.written
-
-
-def _write_meta(run: io.RunLayout, config: Config, tmp_dir: str, tag: str, iteration: int) -> None:
-    meta = {"tag": tag, "iteration": iteration, "format": sharded.FORMAT,
+def _write_meta(run: RunLayout, config: Config, tmp_dir: str, tag: str, iteration: int) -> None:
+    meta = {"tag": tag, "iteration": iteration, "format": FORMAT,
             "ckpt_format": config.checkpoint.ckpt_format,
             "data": data_identity.of(config.data.sources.prefixes),
             "tensor_model_parallel_size": run.tensor_model_parallel_size,
             "pipeline_model_parallel_size": run.pipeline_model_parallel_size,
             "data_parallel_size": run.data_parallel_size, "zero_stage": run.zero_stage,
             "model": run.shape}
-    with atomic_path(os.path.join(tmp_dir, io.META_FILE)) as tmp, open(tmp, "w") as f:
+    with atomic_path(os.path.join(tmp_dir, META_FILE)) as tmp, open(tmp, "w") as f:
         json.dump(meta, f)
 
 
-def save(engine: Any, config: Config, iteration: int, consumed: int, plugin_states: dict[str, Any],
-         pstate: Any, checked: Sequence[Any] = (), device: torch.device | None = None) -> str:
-    """Save tag ``iter_XXXXXXX`` into ``config.checkpoint.save``: this rank's shard
-    (``checkpoint.sharded``), DeepSpeed's files too under ``--ckpt-format deepspeed``; returns at once
-    under ``--async-save`` (the write goes on in a background thread), else when the tag is published.
-    Refuses (one line, every rank) unless every tensor written and ``checked`` (the pending losses and
-    norms) is finite on every rank."""
-    global _pending
-    wait_pending()
-    ckpt, run = config.checkpoint, io.RunLayout.of(config.flags)
-    tag = tag_of(iteration)
-    job = _Save(ckpt.save, tag, iteration, pstate.global_rank, pstate.world_size, io.last_complete(ckpt.save),
-                ckpt.save_retain, ckpt.save_retain_every, ckpt.save_interval)
-    client = {"iteration": iteration, "consumed_train_samples": consumed, "rng": io.rng_state(),
-              "plugins": plugin_states,
-              "args": {k: v for k, v in config.flags.items() if isinstance(v, (int, float, str, bool))}}
-    if _distributed():
-        cpu_group()
-    files = sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)
-    written = [] if ckpt.async_save else files.tensors()
-    # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
-    finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
-    try:
-        if job.rank == 0:
-            CheckpointFolder(ckpt.save).clean()
-        barrier()
-        if job.rank == 0:
-            _write_meta(run, config, job.tmp_dir, tag, iteration)
-        if ckpt.ckpt_format == "deepspeed":
-            engine.save_checkpoint(ckpt.save, tag=tag + TMP_SUFFIX, client_state=client, save_latest=False)
-            barrier()
-    except OSError as e:
-        raise _error(e, job) from None
-    if ckpt.async_save:
-        job.snapshot = _POOL.snapshot(files, _test_pause(tag, "MEGAPOST_SLOW_SNAPSHOT"))
-        job.thread = threading.Thread(target=_background, args=(job, job.snapshot), daemon=True,
-                                      name=f"megapost-save-{tag}")
-        _pending = job
-        job.thread.start()
-        return tag
-    _write(job, files)
-    _agree(job, done=True)
-    _publish(job)
-    barrier()
-    return tag
+def client_state(config: Config, iteration: int, consumed: int,
+                 plugin_states: dict[str, Any]) -> dict[str, Any]:
+    """What a tag keeps besides the Engine's state: counters, RNG, the plugins' states, the tokenizer."""
+    return {"iteration": iteration, "consumed_train_samples": consumed, "rng": codec.rng_state(),
+            "plugins": plugin_states, "args": {"tokenizer_model": config.data.tokenizer_model}}
 
 
-SHARED_MARKER = ".megapost-shared-check"
+class AsyncSaver:
+    """This rank's saves: the staging buffer and host pool reused from save to save, the save in flight,
+    the CPU group the agreements run on, and the harness's ``faults``."""
 
+    def __init__(self, faults: FaultInjector = NO_FAULTS) -> None:
+        self.staging, self.pool, self.faults = Staging(), HostPool(), faults
+        self.pending: _Save | None = None
+        self._group: list[Any] = []  # the CPU (gloo) group, made at the first save
 
-def check_shared(directory: str, rank: int) -> None:
-    """At start-up, on every rank: refuse (one line, every rank alike) a ``--save`` that some rank does
-    not see as rank 0 does (a node-local path): rank 0 writes a random token there, every rank must
-    read it back. Nothing to check in a single process."""
-    if not _distributed():
-        return
-    token = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
-    marker = os.path.join(directory, SHARED_MARKER)
-    if rank == 0:
+    def cpu_group(self) -> Any:
+        """A gloo group over every rank for small host-side agreements (the default group when it is
+        gloo); collective: every rank calls it the first time at the same point."""
+        if not self._group:
+            self._group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+        return self._group[0]
+
+    def _agree(self, job: _Save, done: bool) -> bool:
+        """Every rank's state of ``job`` in one all-reduce of one integer: True when all have written
+        their files, False while one is still writing; raises (on every rank alike) when one failed,
+        with the error of the lowest such rank."""
+        world, failed = job.world, job.error is not None
+        code = 2 * world + (world - 1 - job.rank) if failed else (0 if done else world)
+        if distributed():
+            flag = torch.tensor([code], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cpu_group())
+            code = int(flag[0])
+        if code < world:
+            return True
+        if code < 2 * world:
+            return False
+        rank = world - 1 - (code - 2 * world)
+        message = one_line(_error(job.error, job)) if job.error is not None and job.rank == rank else ""
+        if distributed():
+            raw = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+            encoded = message.encode()[:MESSAGE_BYTES]
+            if encoded:
+                raw[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+            dist.all_reduce(raw, op=dist.ReduceOp.MAX, group=self.cpu_group())
+            message = bytes(raw.numpy()).rstrip(b"\0").decode(errors="replace")
+        raise ConfigError(f"checkpoint {job.tag} not saved: rank {rank}: {message}; 'latest' still names "
+                          f"{os.path.basename(job.previous) if job.previous else 'no tag'}")
+
+    def _write(self, job: _Save, files: RankFiles) -> None:
+        """Write this rank's files (an error is kept in ``job.error`` for :meth:`_agree`); each file
+        passes the fault injector half written."""
+        background = job.thread is not None  # it bypasses the page cache: less contention with training
+
+        def pause() -> None:
+            self.faults.save_file_half_written(job.iteration, background)
+
         try:
-            os.makedirs(directory, exist_ok=True)
-            atomic_write_text(marker, str(int(token[0])))
-        except OSError as e:  # e.g. a full disk: one line, not a traceback
-            raise ConfigError(f"--save {directory}: cannot write there ({e.strerror or e}); free space on "
-                              "it or choose another --save") from None
-    dist.broadcast(token, src=0, group=cpu_group())
-    try:
-        with open(marker) as f:
-            seen = f.read().strip() == str(int(token[0]))
-    except OSError:
-        seen = False
-    first = torch.tensor([dist.get_world_size() if seen else rank], dtype=torch.int64)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=cpu_group())
-    if rank == 0:
-        with contextlib.suppress(OSError):
-            os.unlink(marker)
-    if int(first[0]) < dist.get_world_size():
-        raise ConfigError(f"--save {directory} is not on a filesystem every rank sees: rank {int(first[0])} "
-                          "cannot read the file rank 0 wrote there (a node-local path?); put --save on a "
-                          "filesystem shared by every node")
+            job.written = write_rank_files(job.tmp_dir, files, self.staging, pause, direct=background)
+        except Exception as e:
+            job.error = e
 
+    def _published(self, job: _Save) -> None:
+        """:func:`publish` of a background save, then a barrier on the CPU group (once per save): no
+        rank reads 'latest' again (the next save's previous tag, its error line) before rank 0 moved it."""
+        publish(job)
+        if distributed():
+            dist.barrier(group=self.cpu_group())
 
-def reserve_host(engine: Any, config: Config, plugin_states: dict[str, Any], pstate: Any) -> int:
-    """--async-save: allocate this rank's flat host buffer (``sharded.HostPool``) now, sized for the
-    files a save would write, so the first save does not pay for it; returns its bytes. Call once the
-    optimizer's moments exist (after the first optimizer step); a later save re-sizes only if its files
-    differ (e.g. a plugin's state grew)."""
-    run = io.RunLayout.of(config.flags)
-    client = {"iteration": 0, "consumed_train_samples": 0, "rng": io.rng_state(), "plugins": plugin_states,
-              "args": {}}
-    return _POOL.reserve(sharded.rank_files(engine, pstate, run.deepspeed_layout(), client)).numel()
+    def _background(self, job: _Save, snapshot: Snapshot) -> None:
+        job.started_at = time.perf_counter()
+        try:
+            snapshot.take()  # at training's priority: the next optimizer step waits for it
+            lower_priority()
+            host_copies = snapshot.files.tensors()  # exactly what _write writes
+            finite_guard.refuse_non_finite(host_copies, (), job.iteration, job.directory, torch.device("cpu"),
+                                           everywhere=False)  # a failure reaches every rank via _agree
+            self._write(job, snapshot.files)
+        except BaseException as e:  # surfaces in poll / wait_pending
+            job.error = e
+        finally:
+            job.done_at, job.cpu_s = time.perf_counter(), time.thread_time()
+
+    def before_state_changes(self) -> None:
+        """Call before anything changes the saved state (the optimizer step, a rollback, a load): blocks
+        until a background save's host snapshot is taken (host tensors), or orders the device's copies
+        before the current stream's next kernels (CUDA; no host synchronisation). Cheap when none."""
+        job = self.pending
+        if job is not None and job.snapshot is not None:
+            job.snapshot.wait()
+            job.snapshot = None
+
+    def poll(self) -> None:
+        """At a step boundary, on every rank: nothing when no background save is pending or no agreement
+        is due (``agreement_due``); else one small all-reduce (host memory, no device sync) — every rank
+        done: rank 0 publishes the tag; one failed: every rank raises its one-line error now."""
+        job = self.pending
+        if job is None or job.thread is None:
+            return
+        job.boundaries += 1
+        if not agreement_due(job.boundaries):
+            return
+        alive = job.thread.is_alive()
+        try:
+            if not self._agree(job, done=not alive):
+                return
+        except BaseException:
+            self.pending = None
+            raise
+        self.pending = None
+        job.thread.join()
+        self._published(job)
+
+    def wait_pending(self, raise_errors: bool = True) -> int:
+        """Block until the background save is written; returns this rank's bytes. ``raise_errors`` (the
+        next save, the end of training; every rank): agree, then rank 0 publishes and every rank raises
+        a failure. Without it (an error or interrupt path): this rank's write only; the tag stays
+        unpublished."""
+        job, self.pending = self.pending, None
+        if job is None or job.thread is None:
+            return 0
+        job.thread.join()
+        if raise_errors:
+            self._agree(job, done=True)
+            self._published(job)
+        return job.written
+
+    def save(self, engine: Engine, config: Config, iteration: int, consumed: int,
+             plugin_states: dict[str, Any], pstate: Any, checked: Sequence[Any] = (),
+             device: torch.device | None = None) -> str:
+        """Save tag ``iter_XXXXXXX`` into ``config.checkpoint.save``: this rank's shard (``writer``), the
+        Engine's own files too under ``--ckpt-format deepspeed``; returns at once under ``--async-save``
+        (the write goes on in a background thread), else when the tag is published. Refuses (one line,
+        every rank) unless every tensor written and ``checked`` (pending losses, norms) is finite."""
+        self.wait_pending()
+        ckpt, run = config.checkpoint, RunLayout.of(config)
+        tag = tag_of(iteration)
+        job = _Save(ckpt.save, tag, iteration, pstate.global_rank, pstate.world_size,
+                    last_complete(ckpt.save), ckpt.save_retain, ckpt.save_retain_every, ckpt.save_interval)
+        client = client_state(config, iteration, consumed, plugin_states)
+        if distributed():
+            self.cpu_group()
+        files = rank_files(engine, pstate, run.deepspeed_layout(), client)
+        written = [] if ckpt.async_save else files.tensors()
+        # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
+        finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
+        try:
+            if job.rank == 0:
+                CheckpointFolder(ckpt.save).clean()
+            barrier()
+            if job.rank == 0:
+                _write_meta(run, config, job.tmp_dir, tag, iteration)
+            if ckpt.ckpt_format == "deepspeed":
+                engine.save_native(ckpt.save, tag + TMP_SUFFIX, client)
+                barrier()
+        except OSError as e:
+            raise _error(e, job) from None
+        if ckpt.async_save:
+            job.snapshot = self.pool.snapshot(files, lambda: self.faults.snapshot_half_taken(iteration))
+            job.thread = threading.Thread(target=self._background, args=(job, job.snapshot), daemon=True,
+                                          name=f"megapost-save-{tag}")
+            self.pending = job
+            job.thread.start()
+            return tag
+        self._write(job, files)
+        self._agree(job, done=True)
+        publish(job)
+        barrier()
+        return tag
+
+    def check_shared(self, directory: str, rank: int) -> None:
+        """At start-up, on every rank: refuse (one line, every rank alike) a ``--save`` that some rank
+        does not see as rank 0 does (a node-local path): rank 0 writes a random token there, every rank
+        must read it back. Nothing to check in a single process."""
+        if not distributed():
+            return
+        token = torch.tensor([int.from_bytes(os.urandom(7), "little") + 1], dtype=torch.int64)
+        marker = os.path.join(directory, SHARED_MARKER)
+        if rank == 0:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                atomic_write_text(marker, str(int(token[0])))
+            except OSError as e:  # e.g. a full disk: one line, not a traceback
+                raise ConfigError(f"--save {directory}: cannot write there ({e.strerror or e}); free space "
+                                  "on it or choose another --save") from None
+        dist.broadcast(token, src=0, group=self.cpu_group())
+        try:
+            with open(marker) as f:
+                seen = f.read().strip() == str(int(token[0]))
+        except OSError:
+            seen = False
+        first = torch.tensor([dist.get_world_size() if seen else rank], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.cpu_group())
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+        if int(first[0]) < dist.get_world_size():
+            raise ConfigError(f"--save {directory} is not on a filesystem every rank sees: rank "
+                              f"{int(first[0])} cannot read the file rank 0 wrote there (a node-local "
+                              "path?); put --save on a filesystem shared by every node")
+
+    def reserve_host(self, engine: Engine, config: Config, plugin_states: dict[str, Any], pstate: Any) -> int:
+        """--async-save: allocate this rank's flat host buffer now, sized for the files a save would
+        write, so the first save does not pay for it; returns its bytes. Call once the optimizer's
+        moments exist (after the first optimizer step); a later save re-sizes only if its files differ."""
+        client = client_state(config, 0, 0, plugin_states)
+        files = rank_files(engine, pstate, RunLayout.of(config).deepspeed_layout(), client)
+        return self.pool.reserve(files).numel()

@@ -48,11 +48,13 @@ def _header(entries: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str
 
 
 class Staging:
-    """One reusable host buffer (pinned when CUDA is there) for device -> file copies."""
+    """One reusable host buffer (pinned when CUDA is there) for device -> file copies, and what each
+    filesystem said to ``O_DIRECT`` (probed once per device by :func:`direct_supported`)."""
 
     def __init__(self, nbytes: int = STAGING_BYTES) -> None:
         self.nbytes = nbytes
         self._buf: torch.Tensor | None = None
+        self.direct: dict[int, bool] = {}  # st_dev -> O_DIRECT taken and worth it
 
     def buffer(self) -> torch.Tensor:
         """``nbytes`` of host memory starting on a BLOCK boundary."""
@@ -125,12 +127,13 @@ def filesystem_type(directory: str) -> str:
     return kind
 
 
-def _direct_supported(directory: str) -> bool:
-    """Whether ``directory``'s filesystem takes ``O_DIRECT`` and gains by it (probed once per filesystem)."""
+def direct_supported(directory: str, known: dict[int, bool]) -> bool:
+    """Whether ``directory``'s filesystem takes ``O_DIRECT`` and gains by it (probed once per filesystem:
+    ``known``, by device, is filled in)."""
     dev = os.stat(directory).st_dev
-    if dev not in _DIRECT and filesystem_type(directory) in MEMORY_FS:
-        _DIRECT[dev] = False
-    if dev not in _DIRECT:
+    if dev not in known and filesystem_type(directory) in MEMORY_FS:
+        known[dev] = False
+    if dev not in known:
         probe = os.path.join(directory, f".megapost-odirect-{os.getpid()}")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
@@ -139,16 +142,13 @@ def _direct_supported(directory: str) -> bool:
                 os.write(fd, memoryview(buf.numpy()))
             finally:
                 os.close(fd)
-            _DIRECT[dev] = True
+            known[dev] = True
         except (OSError, AttributeError):
-            _DIRECT[dev] = False
+            known[dev] = False
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(probe)
-    return _DIRECT[dev]
-
-
-_DIRECT: dict[int, bool] = {}
+    return known[dev]
 
 
 def _write_tensor(f, t: torch.Tensor, staging: Staging) -> None:
@@ -175,7 +175,8 @@ def write_safetensors(path: str, entries: Sequence[tuple[str, torch.Tensor]], me
     (tests) runs after the first tensor, with the file half written."""
     staging = staging or Staging()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    direct = direct and staging.nbytes % BLOCK == 0 and _direct_supported(os.path.dirname(path) or ".")
+    direct = direct and staging.nbytes % BLOCK == 0 and direct_supported(os.path.dirname(path) or ".",
+                                                                          staging.direct)
     with atomic_path(path, fsync=fsync) as tmp:
         try:
             if direct:

@@ -26,6 +26,7 @@ from megapost.data.gpt_dataset import (
     split_document_ranges,
 )
 from megapost.data.indexed_dataset import IndexedDataset
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 MID_LEVEL_SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus default
 
@@ -124,7 +125,7 @@ def _sizes_per_source(weights: Sequence[float], size: int, surplus: float = 0.0)
 
 
 def _build_split(blend: Blend, name: str, doc_range: Any, size: int | None, seq_length: int, seed: int,
-                 cache_dir: str | None) -> GPTDataset | BlendedDataset | None:
+                 cache_dir: str | None, faults: FaultInjector) -> GPTDataset | BlendedDataset | None:
     """One split from one blend; ``doc_range(indexed)`` gives the documents of each source."""
     def gpt(prefix: str, num_samples: int | None) -> GPTDataset | None:
         indexed = IndexedDataset(prefix)
@@ -132,7 +133,7 @@ def _build_split(blend: Blend, name: str, doc_range: Any, size: int | None, seq_
         if end == start:
             return None
         return GPTDataset(indexed, np.arange(start, end, dtype=np.int64), num_samples, seq_length, seed,
-                          cache_dir, name)
+                          cache_dir, name, faults)
 
     if len(blend.prefixes) == 1:
         return gpt(blend.prefixes[0], size)
@@ -158,8 +159,9 @@ def _build_split(blend: Blend, name: str, doc_range: Any, size: int | None, seq_
 
 
 def build_datasets(sources: DataSources, split: str, *, seq_length: int, seed: int,
-                   sizes: Sequence[int | None], cache_dir: str | None = None) -> list[Any]:
-    """Train/valid/test datasets (None where a split has no size or no data)."""
+                   sizes: Sequence[int | None], cache_dir: str | None = None,
+                   faults: FaultInjector = NO_FAULTS) -> list[Any]:
+    """Train/valid/test datasets (None where a split has no size or no data; ``faults``: a harness's)."""
     out: list[Any] = []
     for i, (name, size) in enumerate(zip(SPLIT_NAMES, sizes, strict=True)):
         if size == 0:
@@ -170,15 +172,16 @@ def build_datasets(sources: DataSources, split: str, *, seq_length: int, seed: i
             if blend is None:
                 out.append(None)
                 continue
-            out.append(_build_split(blend, name, lambda ix: (0, len(ix)), size, seq_length, seed, cache_dir))
+            out.append(_build_split(blend, name, lambda ix: (0, len(ix)), size, seq_length, seed, cache_dir,
+                                    faults))
             continue
         assert sources.blend is not None
         if len(sources.blend.prefixes) == 1:  # one source: today's split semantics and messages
             return list(build_train_valid_test_datasets(
                 sources.blend.prefixes[0], split, seq_length=seq_length, seed=seed,
-                train_valid_test_num_samples=sizes, cache_dir=cache_dir))
+                train_valid_test_num_samples=sizes, cache_dir=cache_dir, faults=faults))
         ranges = lambda ix, i=i: split_document_ranges(len(ix), split)[i]  # noqa: E731
-        out.append(_build_split(sources.blend, name, ranges, size, seq_length, seed, cache_dir))
+        out.append(_build_split(sources.blend, name, ranges, size, seq_length, seed, cache_dir, faults))
     if out[0] is None and sizes[0]:
         raise DataError("no training data: the train split is empty (check --split and the data paths)")
     return out

@@ -22,9 +22,9 @@ from megapost.data.gpt_indices import (
     separate_final_epoch,
 )
 from megapost.data.indexed_dataset import IndexedDataset
-from megapost.utils import kill_points
 from megapost.utils.atomic import atomic_save_npy, atomic_write_text
 from megapost.utils.checksum import file_sha256
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,10 @@ class GPTDataset:
         seed: int,
         cache_dir: str | os.PathLike[str] | None = None,
         name: str = "train",
+        faults: FaultInjector = NO_FAULTS,
     ) -> None:
+        """``faults``: a test harness's (its ``index_build`` point), none in production."""
+        self.faults = faults
         if seq_length < 1:
             raise DataError(f"--seq-length must be positive, got {seq_length}")
         self.indexed = indexed
@@ -163,7 +166,7 @@ class GPTDataset:
         separate = separate_final_epoch(self.tokens_per_epoch, self.seq_length, self.num_epochs,
                                         self.num_samples)
         document_index = build_document_index(self.doc_ids, self.num_epochs, rng, separate)
-        kill_points.hit("index_build")  # the soak (tools/soak.py): a rank killed inside the build
+        self.faults.point("index_build")  # the soak (tools/soak.py): a rank killed inside the build
         sizes = self.indexed.sequence_lengths[document_index]
         total = samples_in(self.num_epochs * self.tokens_per_epoch, self.seq_length)
         sample_index = build_sample_index(sizes, self.seq_length, total)
@@ -230,6 +233,7 @@ def build_train_valid_test_datasets(
     seed: int,
     train_valid_test_num_samples: Sequence[int | None],
     cache_dir: str | os.PathLike[str] | None = None,
+    faults: FaultInjector = NO_FAULTS,
 ) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
     """Train/valid/test GPTDatasets over contiguous document blocks of ``<prefix>.bin/.idx``.
 
@@ -265,5 +269,5 @@ def build_train_valid_test_datasets(
                 f"--split {split}); give it a larger share or add data"
             )
         doc_ids = np.arange(start, end, dtype=np.int64)
-        datasets.append(GPTDataset(indexed, doc_ids, num_samples, seq_length, seed, cache_dir, name))
+        datasets.append(GPTDataset(indexed, doc_ids, num_samples, seq_length, seed, cache_dir, name, faults))
     return datasets[0], datasets[1], datasets[2]

@@ -1,7 +1,8 @@
 """``DeepSpeedEngine``: megapost's Engine (``megapost.engine.Engine``) over the engine that
 ``deepspeed.initialize`` returns, with megapost's step hooks installed (``megapost.optim.hooks``). The
 only implementation of the protocol; what it reads of DeepSpeed's private state goes through
-``fragments``. Code not yet moved onto the protocol reaches DeepSpeed's engine as ``.ds``."""
+``fragments``. The plugin host still binds DeepSpeed's engine as ``.ds``; the trainer and the checkpoint
+use the protocol only."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from torch import nn
 
 from megapost.ds_adapter import fragments
+
+_JSONABLE = (int, float, str, bool, list, tuple, type(None))
 
 
 class DeepSpeedEngine:
@@ -107,3 +110,73 @@ class DeepSpeedEngine:
         destroy = getattr(self.ds, "destroy", None)
         if callable(destroy):
             destroy()
+
+    # ---- the checkpoint's side of the protocol -------------------------------------------------
+    def _base(self) -> torch.optim.Optimizer:
+        return fragments.base_optimizer(self.ds.optimizer)
+
+    def optimizer_header(self) -> dict[str, Any]:
+        base = self._base()
+        step = next((int(st["step"]) for st in base.state.values() if "step" in st), None)
+        keys = sorted({k for st in base.state.values() for k, v in st.items()
+                       if torch.is_tensor(v) and v.dim() > 0})
+        if keys:
+            fragments.link_state(self.ds.optimizer)
+        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, _JSONABLE)}
+                  for g in base.param_groups]
+        return {"step": step, "keys": keys, "groups": groups}
+
+    def init_optimizer_state(self, keys: list[str], step: int | None,
+                             groups: list[dict[str, Any]] | None) -> None:
+        base = self._base()
+        for group in base.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                device = p.device if on_device else torch.device("cpu")
+                counted = {} if step is None else {"step": torch.tensor(float(step), device=device)}
+                base.state[p] = {**counted, **{k: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                               for k in keys}}
+        fragments.link_state(self.ds.optimizer)
+        if not groups or len(groups) != len(base.param_groups):
+            return
+        for group, settings in zip(base.param_groups, groups, strict=True):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()
+                          if k in group and k not in ("lr", "initial_lr")})
+
+    def held_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        return fragments.fragment_address(param) if fragments.is_mapped(param) else (0, param.numel())
+
+    def partitioned(self) -> bool:
+        return all(fragments.is_mapped(p) for p in self.ds.module.parameters()) and \
+            fragments.can_rebuild_weights(self.ds.optimizer)
+
+    def rebuild_weights(self) -> None:
+        fragments.rebuild_weights(self.ds.optimizer)
+
+    def scheduler_state(self) -> dict[str, Any] | None:
+        scheduler = self.ds.lr_scheduler
+        return scheduler.state_dict() if scheduler is not None else None
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        if self.ds.lr_scheduler is not None:
+            self.ds.lr_scheduler.load_state_dict(state)
+
+    def counters(self) -> dict[str, int]:
+        ds = self.ds
+        return {"global_steps": ds.global_steps, "global_samples": ds.global_samples,
+                "skipped_steps": ds.skipped_steps}
+
+    def set_counters(self, counters: dict[str, int]) -> None:
+        ds = self.ds
+        ds.global_steps, ds.global_samples = counters["global_steps"], counters["global_samples"]
+        ds.skipped_steps = counters["skipped_steps"]
+
+    def save_native(self, directory: str, tag: str, client: dict[str, Any]) -> None:
+        self.ds.save_checkpoint(directory, tag=tag, client_state=client, save_latest=False)
+
+    def load_native(self, directory: str, tag: str, optimizer: bool,
+                    module_only: bool) -> dict[str, Any] | None:
+        path, client = self.ds.load_checkpoint(directory, tag=tag, load_optimizer_states=optimizer,
+                                               load_lr_scheduler_states=optimizer,
+                                               load_module_only=module_only)
+        return None if path is None else client

@@ -32,6 +32,7 @@ from megapost.parallel.mappings import (
     scatter_to_tp_region,
     share_replicated_slice,
 )
+from megapost.parallel.shard_spec import declare
 
 INPUT_MAPPINGS = {
     "copy": copy_to_tp_region,  # replicated input; all-reduce its gradient
@@ -61,6 +62,7 @@ def shard(full: torch.Tensor, dim: int, group: Any, replicas: int = 1) -> nn.Par
     param.partition_stride = 1
     if replicas > 1:
         param.partition_replicas = replicas
+    declare(param, dim, replicas)  # what a checkpoint records (megapost.parallel.shard_spec)
     return param
 
 

@@ -58,7 +58,7 @@ class Progress:
     run_name: str | None = None  # --run-name as resolved (None: no run directory)
     runs_dir: str | None = None  # --runs-dir as resolved
     state: Any = None  # the trainer's TrainState (``.iteration``)
-    # megapost.checkpoint.io.last_complete (the one reader of 'latest'), set by the trainer's build
+    # megapost.checkpoint.folder.last_complete (the one reader of 'latest'), set by the trainer's build
     checkpoint_of: Callable[[str], str | None] | None = None
     requested: int = 0  # signal number caught while --exit-signal-handler defers it
     deferring: bool = False

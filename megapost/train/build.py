@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from megapost.checkpoint import hf
-from megapost.checkpoint import io as checkpoint_io
 from megapost.checkpoint import safety as checkpoint_safety
+from megapost.checkpoint.folder import last_complete
 from megapost.config import launches
 from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import init_summary
@@ -55,7 +55,6 @@ from megapost.runtime.run_dir import resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.prepare import Prepared
 from megapost.train.trainer import Trainer
-from megapost.utils import kill_points
 from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
@@ -67,11 +66,11 @@ class DataSource:
     valid: Callable[[], Iterator[dict[str, Any]] | None]
 
 
-def build_data(data: DataConfig, pstate: ParallelState) -> DataSource:
+def build_data(data: DataConfig, pstate: ParallelState, faults: FaultInjector = NO_FAULTS) -> DataSource:
     """This rank's data-parallel slice of --data-path's train and valid splits."""
     train, valid, _ = build_datasets(data.sources, data.split, seq_length=data.seq_length,
                                      seed=data.seed, sizes=(data.train_samples, data.valid_samples, 0),
-                                     cache_dir=data.cache_dir)
+                                     cache_dir=data.cache_dir, faults=faults)
 
     def train_iter(consumed: int) -> Any:
         return build_data_iterator(train, consumed, data.micro_batch_size, pstate.dp_rank, pstate.dp_size)
@@ -133,12 +132,12 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
     log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
     progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
-    progress.checkpoint_of = checkpoint_io.last_complete
+    progress.checkpoint_of = last_complete
     interrupts.forget_port_check()
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  par.sequence_parallel)
-    data = data or build_data(config.data, pstate)
+    data = data or build_data(config.data, pstate, faults)
     torch.manual_seed(config.runtime.seed)  # and python's and numpy's generators, as Megatron-LM seeds
     random.seed(config.runtime.seed)  # them: a checkpoint's RNG state is then the same in every run
     np.random.seed(config.runtime.seed)  # of one config (tools/soak.py compares it bit for bit)
@@ -174,9 +173,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     if isinstance(engine, NativeEngine):
         engine.before_step = trainer.before_optimizer_step
         trainer.logger.skips = engine.skips
-        kill_points.install(engine.module, engine.optimizer)  # the soak's
+        faults.install(engine.module, engine.optimizer)  # a harness's hooks, if any
     else:
-        _install_hooks(trainer, engine, config, ds_config, fusion)
+        _install_hooks(trainer, engine, config, ds_config, fusion, faults)
     _start(trainer, config, peak.describe(), prep, device, reduce_notes)
     return trainer
 
@@ -199,8 +198,8 @@ def _native_engine(config: Config, prep: Prepared, model: torch.nn.Module, loss_
 
 
 def _install_hooks(trainer: Trainer, engine: DeepSpeedEngine, config: Config, ds_config: dict[str, Any],
-                   fusion: Fusion) -> None:
-    """megapost's hooks on DeepSpeed's engine (megapost.optim.hooks) and the soak's kill points."""
+                   fusion: Fusion, faults: FaultInjector) -> None:
+    """megapost's hooks on DeepSpeed's engine (megapost.optim.hooks) and a harness's fault hooks."""
     ds, run = engine.ds, config.runtime
     skips = optim_hooks.install(ds, trainer.before_optimizer_step, trainer.pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),
@@ -208,7 +207,7 @@ def _install_hooks(trainer: Trainer, engine: DeepSpeedEngine, config: Config, ds
                                 fuse_grad_accumulation=fusion.on("grad-accum"))
     trainer.logger.skips = skips  # engine.step() returns its device flag (DeepSpeed's own step: its count)
     engine.skip_flag = None if skips.mode == "deepspeed" else skips.last
-    kill_points.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # the soak's
+    faults.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # a harness's hooks, if any
 
 
 SAVED_BYTES_PER_PARAMETER = {"adam": 12, "sgd": 8}  # fp32 weight + the optimizer's fp32 state
@@ -231,10 +230,12 @@ def _start(trainer: Trainer, config: Config, peak: str, prep: Prepared, device: 
     ckpt, monitor, pstate, args = config.checkpoint, trainer.monitor, trainer.pstate, prep.args
     if ckpt.load:
         trainer.load()
-        scheduler = trainer.engine.ds.lr_scheduler
-        scheduler.load_state_dict(scheduler.state_dict())  # the new schedule's lr from the first step
+        engine = trainer.engine
+        schedule = engine.scheduler_state()
+        if schedule is not None:  # the new schedule's lr from the first step
+            engine.load_scheduler_state(schedule)
     elif ckpt.load_hf:
-        hf.load_hf_weights(trainer.engine.ds, pstate, ckpt.load_hf)
+        hf.load_hf_weights(trainer.engine, pstate, ckpt.load_hf)
         monitor.line(f" loaded the weights of {ckpt.load_hf}")
     elif config.logging.run_dir:  # a named run restarted before its first checkpoint: its logs start over
         trainer.continue_logs(-1, -1)

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
-from megapost.checkpoint import io as checkpoint_io
-from megapost.checkpoint import saver
+from megapost.checkpoint import codec, resume
 from megapost.checkpoint.folder import ASIDE, CheckpointFolder
+from megapost.checkpoint.layout import RunLayout
+from megapost.checkpoint.saver import AsyncSaver, barrier
 from megapost.config.resolved import Config
-from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
+from megapost.engine import Engine
 from megapost.metrics.monitor import Monitor
 from megapost.parallel.state import ParallelState
 from megapost.train.logger import host_norms
 from megapost.train.plugin_host import PluginHost
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 SKIPS_KEY = "megapost.skips"  # the skip counts, beside the plugins' states in a tag
 
@@ -35,16 +37,20 @@ def to_host(tree: Any) -> Any:
 
 
 class CheckpointManager:
-    """Saves/loads ``engine`` and the ``state`` (a TrainState) of this rank, as ``config`` says (its
-    checkpoint section; the layout and flags a checkpoint records). The checkpoint package still reads
-    DeepSpeed's engine itself (``engine.ds``); the in-memory snapshot goes through the Engine."""
+    """Saves/loads ``engine`` (through the Engine protocol only) and the ``state`` (a TrainState) of this
+    rank, as ``config`` says (its checkpoint section; the model and layout a checkpoint records); owns
+    this rank's :class:`AsyncSaver`."""
 
-    def __init__(self, config: Config, engine: DeepSpeedEngine, pstate: ParallelState, state: Any,
-                 host: PluginHost, monitor: Monitor, device: torch.device, logger: Any = None) -> None:
-        """``logger``: the TrainLogger whose skip counts each tag keeps (None: none kept)."""
-        self.config, self.ckpt, self.engine, self.ds = config, config.checkpoint, engine, engine.ds
+    def __init__(self, config: Config, engine: Engine, pstate: ParallelState, state: Any,
+                 host: PluginHost, monitor: Monitor, device: torch.device, logger: Any = None,
+                 faults: FaultInjector = NO_FAULTS) -> None:
+        """``logger``: the TrainLogger whose skip counts each tag keeps (None: none kept); ``faults``: a
+        test harness's, passed to the saver."""
+        self.config, self.ckpt, self.engine = config, config.checkpoint, engine
         self.pstate, self.state = pstate, state
         self.host, self.monitor, self.device, self.logger = host, monitor, device, logger
+        self.saver = AsyncSaver(faults)
+        self._reserved = False
 
     def _states(self) -> dict[str, Any]:
         """The plugins' states and, under its own key, the skip counts."""
@@ -58,7 +64,7 @@ class CheckpointManager:
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
         pending = [t for (_, loss, norm, _), n in zip(st.losses, norms, strict=True)
                    if n is None or math.isfinite(n) for t in (loss, norm)]
-        tag = saver.save(self.ds, self.config, st.iteration, st.consumed_samples, self._states(),
+        tag = self.saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self._states(),
                          self.pstate, checked=pending, device=self.device)
         done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
         self.monitor.line(f" {done} {self.ckpt.save}/{tag}")
@@ -70,12 +76,12 @@ class CheckpointManager:
         save = self.ckpt.save
         if not save:
             return
-        saver.check_shared(save, self.pstate.global_rank)
+        self.saver.check_shared(save, self.pstate.global_rank)
         folder, spare = CheckpointFolder(save), None
         if self.ckpt.load and os.path.abspath(self.ckpt.load) == os.path.abspath(save):
             spare = folder.resolve(step=self.ckpt.ckpt_step).tag
         beyond = folder.beyond(self.state.iteration, spare)
-        saver.barrier()  # every rank has looked before rank 0 moves anything
+        barrier()  # every rank has looked before rank 0 moves anything
         if beyond and self.pstate.global_rank == 0:
             folder.set_aside(self.state.iteration, spare)
         if beyond:
@@ -86,19 +92,19 @@ class CheckpointManager:
     def poll(self) -> None:
         """At each step boundary: a background save done everywhere is published, a failed one raises
         on every rank (nothing, and no collective, when none is pending)."""
-        saver.poll()
+        self.saver.poll()
 
     def before_state_changes(self) -> None:
         """Before the optimizer step, a rollback or a load: a background save's snapshot is taken.
         Under --async-save, before the second step (the moments exist), the host buffer is allocated."""
-        saver.before_state_changes()
-        if self.ckpt.async_save and self.ds.global_steps >= 1 and not getattr(self, "_reserved", False):
+        self.saver.before_state_changes()
+        if self.ckpt.async_save and not self._reserved and self.engine.counters()["global_steps"] >= 1:
             self._reserved = True
-            saver.reserve_host(self.ds, self.config, self._states(), self.pstate)
+            self.saver.reserve_host(self.engine, self.config, self._states(), self.pstate)
 
     def wait(self, raise_errors: bool = True) -> None:
         """Until this rank's background (--async-save) write is complete."""
-        saver.wait_pending(raise_errors)
+        self.saver.wait_pending(raise_errors)
 
     def continue_logs(self, iteration: int, consumed: int) -> None:
         """Drop what earlier attempts logged past ``iteration`` (-1: everything) in this run's
@@ -107,9 +113,8 @@ class CheckpointManager:
         self.monitor.resume(iteration, consumed * self.config.data.seq_length)
 
     def load(self) -> None:
-        saver.before_state_changes()
-        run = checkpoint_io.RunLayout.of(self.config.flags)
-        it, consumed, states = checkpoint_io.load(self.ds, self.ckpt, run, self.pstate)
+        self.saver.before_state_changes()
+        it, consumed, states = resume.load(self.engine, self.ckpt, RunLayout.of(self.config), self.pstate)
         self.state.iteration, self.state.consumed_samples = it, consumed
         skips = states.pop(SKIPS_KEY, {})
         if self.logger is not None:
@@ -123,15 +128,15 @@ class CheckpointManager:
         copied to host memory), the lr schedule, RNG and data position."""
         snap = self.engine.state_dict()
         return {**snap, "module": to_host(snap["module"]), "optimizer": to_host(snap["optimizer"]),
-                "rng": checkpoint_io.rng_state(), "iteration": self.state.iteration,
+                "rng": codec.rng_state(), "iteration": self.state.iteration,
                 "consumed_samples": self.state.consumed_samples}
 
     def restore(self, snap: dict[str, Any], skip_data: bool = False) -> None:
         """Engine, schedule, RNG and counters back to ``snap``; ``skip_data`` keeps the data position."""
-        saver.before_state_changes()
+        self.saver.before_state_changes()
         # the optimizer keeps (and updates) the tensors it loads: a copy, so the snapshot stays
         self.engine.load_state_dict({**snap, "optimizer": copy.deepcopy(snap["optimizer"])})
-        checkpoint_io.set_rng_state(snap["rng"])
+        codec.set_rng_state(snap["rng"])
         self.state.iteration = snap["iteration"]
         if not skip_data:
             self.state.consumed_samples = snap["consumed_samples"]

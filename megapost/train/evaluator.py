@@ -11,13 +11,15 @@ import torch
 from megapost.metrics.monitor import Monitor
 from megapost.train.plugin_host import PluginBatches
 from megapost.train.step import StepRunner
-from megapost.utils import kill_points
+from megapost.utils.faults import NO_FAULTS, FaultInjector
 
 
 class Evaluator:
     def __init__(self, runner: StepRunner, valid_iter_fn: Callable[[], Iterator[Any] | None] | None,
-                 eval_iters: int, monitor: Monitor, tokens_per_step: int) -> None:
+                 eval_iters: int, monitor: Monitor, tokens_per_step: int,
+                 faults: FaultInjector = NO_FAULTS) -> None:
         self.runner, self.valid_iter_fn, self.eval_iters = runner, valid_iter_fn, eval_iters
+        self.faults = faults  # a harness's (tools/fault_pretrain.py): the "eval" point
         self.monitor, self.tokens_per_step = monitor, tokens_per_step
 
     @torch.no_grad()
@@ -31,7 +33,7 @@ class Evaluator:
         total = torch.zeros((), device=runner.device)
         for i in range(self.eval_iters):
             if i:
-                kill_points.hit("eval")  # the soak (tools/soak.py): a rank killed between eval batches
+                self.faults.point("eval")  # the soak (tools/soak.py): a rank killed between eval batches
             if runner.pipeline:
                 # the last stage returns a 0-d loss, the others DeepSpeed's broadcast copy of shape [1]
                 loss = engine.forward_only(batches, runner.grad_accum_steps).detach().float().reshape(())

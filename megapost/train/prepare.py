@@ -14,7 +14,8 @@ import torch
 
 from megapost.checkpoint import data_identity, hf
 from megapost.checkpoint.folder import CheckpointFolder
-from megapost.checkpoint.io import RunLayout, check_layout, check_save_dir, read_meta
+from megapost.checkpoint.format import read_meta
+from megapost.checkpoint.layout import RunLayout, check_layout, check_save_dir
 from megapost.config import launches
 from megapost.config.arguments import parse_args, validate_args
 from megapost.config.deepspeed_json import reconcile_with_user_config
@@ -122,7 +123,7 @@ def prepare(argv: Sequence[str], world_size: int | None = None) -> Prepared:
                            args.sequence_parallel, args.seq_length, world_size)
     if errors:
         raise ConfigError("invalid parallel layout: " + "; ".join(errors))
-    run = RunLayout.of(vars(args))  # as given: resolution (megapost.config.resolved) comes after the groups
+    run = RunLayout.before_resolution(model_cfg, vars(args))  # resolution comes after the groups
     if args.load:
         resolved = CheckpointFolder(args.load).resolve(step=args.ckpt_step)
         check_layout(args.load, run, args.trust_checkpoint, args.ckpt_step)

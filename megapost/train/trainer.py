@@ -53,7 +53,8 @@ class Trainer:
         self.host = PluginHost(plugins)
         self.runner = StepRunner(engine, loss_fn, pstate, device, data.grad_accum_steps,
                                  config.parallel.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
-        self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step)
+        self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step,
+                                   faults)
         throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops,
                                 config.model.flops_per_token(causal=True))
         log = config.logging
@@ -63,7 +64,7 @@ class Trainer:
                                   run.train_iters, self.tokens_per_step, ckpt.save, self.runner.dp_mean,
                                   stats, data.global_batch_size, run.max_consecutive_skipped_iterations)
         self.checkpoints = CheckpointManager(config, engine, pstate, self.state, self.host, monitor, device,
-                                             self.logger)
+                                             self.logger, faults)
         self.watchdog = Watchdog(run, config.parallel.distributed_timeout_minutes, pstate, faults)
         self.host.bind(engine.ds, self.snapshot, self.restore)  # plugin services read DeepSpeed's engine
 

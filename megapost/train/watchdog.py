@@ -1,6 +1,6 @@
 """Exits and the watchdog: the heartbeat that names a hung or dead rank, the exit conditions
 (--exit-interval, --exit-duration-in-mins, --exit-signal-handler), and the point where a harness's
-``FaultInjector`` may fail a rank before a step (tests/fault_pretrain.py: a job whose rank dies must
+``FaultInjector`` may fail a rank before a step (tools/fault_pretrain.py: a job whose rank dies must
 fail as a whole, within ``--distributed-timeout-minutes``, instead of hanging).
 """
 
