@@ -128,36 +128,42 @@ def test_sequence_parallel_gains_reduced_once_per_step() -> None:
 
 
 def test_refusals_name_the_flag_in_one_line() -> None:
-    """PP > 1, --save / --load / --load-hf and a DeepSpeed JSON are refused, each in one line."""
+    """PP > 1 and a DeepSpeed JSON are refused, each in one line."""
     from types import SimpleNamespace as NS
 
     from megapost.native.build import refusals
 
-    def config(pp: int = 1, **ckpt: str) -> NS:
-        return NS(parallel=NS(pipeline_model_parallel_size=pp),
-                  checkpoint=NS(**{"save": None, "load": None, "load_hf": None, **ckpt}))
+    def config(pp: int = 1) -> NS:
+        return NS(parallel=NS(pipeline_model_parallel_size=pp))
 
     assert refusals(config(), {}) == []
-    assert refusals(config(pp=2), {})[0].startswith("--use-distributed-optimizer with "
-                                                     "--pipeline-model-parallel-size > 1: not yet")
-    for key, flag in (("save", "--save"), ("load", "--load"), ("load_hf", "--load-hf")):
-        (line,) = refusals(config(**{key: "x"}), {})
-        assert line.startswith(f"--use-distributed-optimizer with {flag}: not yet") and "\n" not in line
+    (line,) = refusals(config(pp=2), {})
+    assert line.startswith("--use-distributed-optimizer with --pipeline-model-parallel-size > 1: not yet")
     assert "--deepspeed-config" in refusals(config(), {"zero_optimization": {}})[0]
 
 
 @pytest.mark.integration
-def test_save_refused_at_launch_and_untyped_save_noted(tiny_data, tmp_path) -> None:
-    """A typed --save stops the launch in one line; without it the run trains and says it saves nothing."""
-    from launch_utils import pretrain, tiny_model_flags
+@pytest.mark.slow  # five 2-rank or 1-rank launches: ~3 min on 2 cores
+def test_save_resume_bit_exact_and_resharded(tiny_data, tmp_path) -> None:
+    """DP 2 fp32 on the native engine, saved at iteration 2 (the layout-free format, through the Engine
+    protocol): resumed at DP 2 and at DP 1 (another shard layout; 2 micro-batches per step, bit-exact
+    as DP 2 x 1 by test_dp2_and_dp4_equal_dp1_and_deepspeed) it trains iterations 3-4 with the losses
+    of the uninterrupted run, bit for bit."""
+    from ckpt_faults import train
+    from launch_utils import read_scalars, tiny_model_flags
 
-    flags = [*tiny_model_flags(tiny_data, **{"--train-iters": 2}), *NATIVE, "--runs-dir", str(tmp_path)]
-    out = pretrain([*flags, "--save", str(tmp_path / "ckpt")], check=False)
-    assert out.returncode != 0
-    assert "--use-distributed-optimizer with --save: not yet" in (out.stdout + out.stderr), out.stderr[-3000:]
-    ok = pretrain(flags)
-    assert "no checkpoints are saved yet" in ok.stdout and "megapost's distributed optimizer" in ok.stdout
-    assert not [p for p in tmp_path.rglob("*") if "checkpoints" in p.parts]  # no tag written
+    def argv(iters: int, tb: str, **extra: object) -> list[str]:
+        flags = {"--train-iters": iters, "--lr-decay-iters": 10, "--tensorboard-dir": tmp_path / tb, **extra}
+        return [*map(str, tiny_model_flags(tiny_data, **flags)), *NATIVE]
+
+    run_ranks(train, 2, argv(4, "ref"))
+    run_ranks(train, 2, argv(2, "a", **{"--save": tmp_path / "ckpt"}))
+    run_ranks(train, 2, argv(4, "b", **{"--load": tmp_path / "ckpt"}))
+    run_ranks(train, 1, argv(4, "c", **{"--load": tmp_path / "ckpt"}))
+    ref, dp2, dp1 = (read_scalars(tmp_path / d, "train/lm_loss") for d in ("ref", "b", "c"))
+    print("uninterrupted", ref, "\nresumed DP 2", dp2, "\nresumed DP 1", dp1)
+    assert sorted(dp2) == sorted(dp1) == [3, 4], (dp2, dp1)
+    assert all(dp2[s] == ref[s] and dp1[s] == ref[s] for s in (3, 4)), (ref, dp2, dp1)
 
 
 def test_found_inf_skips_fused_adamw_on_the_device() -> None:

@@ -3,7 +3,6 @@ from the typed config, the parallel model and the lr schedule megapost builds fo
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -33,23 +32,9 @@ def refusals(config: Config, user_ds: dict[str, Any]) -> list[str]:
     if config.parallel.pipeline_model_parallel_size > 1:
         out.append(f"{flag} with --pipeline-model-parallel-size > 1: not yet (megapost's distributed "
                    f"optimizer runs PP 1; DeepSpeed's pipeline engine has its own ZeRO-1: drop {flag})")
-    ckpt = config.checkpoint
-    for name, value in (("--save", ckpt.save), ("--load", ckpt.load), ("--load-hf", ckpt.load_hf)):
-        if value:
-            out.append(f"{flag} with {name}: not yet (the checkpoint package is moving onto the Engine "
-                       f"protocol; until then the native engine neither saves nor loads)")
     if user_ds:
         out.append(f"{flag} with --deepspeed-config: the native engine runs no DeepSpeed (drop one)")
     return out
-
-
-def no_default_save(args: argparse.Namespace) -> None:
-    """On the native engine, no checkpoints into the run directory when --save is not typed (a typed
-    --save is refused, ``refusals``), said in a start-up note."""
-    if args.use_distributed_optimizer and getattr(args, "save_in_run_dir", False):
-        args.save, args.save_in_run_dir = None, False
-        args.start_notes.append("--use-distributed-optimizer: no checkpoints are saved yet (the native "
-                                "engine's arrive with the checkpoint package on the Engine protocol)")
 
 
 def notes(config: Config, explicit: set[str]) -> list[str]:

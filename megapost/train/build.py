@@ -128,7 +128,6 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
-    native.no_default_save(args)  # --use-distributed-optimizer: no checkpoints into the run directory yet
     config = resolve(args, model_cfg, device.type)  # below here: the typed sections, not the Namespace
     log, progress = config.logging, interrupts.PROGRESS  # progress: what the interrupt line names
     progress.save, progress.run_name, progress.runs_dir = config.checkpoint.save, log.run_name, log.runs_dir
