@@ -125,6 +125,10 @@ def _extra(r: dict[str, Any]) -> str:
         extra.append(f"aten ops/step {r['ops_per_step']} (busy: GPU only)")
     if r.get("overhead") is not None:
         extra.append(f"overhead {100 * r['overhead']:+.1f}%")
+    if r.get("auto_over_none") is not None:
+        extra.append(f"auto/none tokens/s {r['auto_over_none']:.3f}")
+    if r.get("head_chunked_over_unfused") is not None:
+        extra.append(f"head peak bytes chunked/unfused {r['head_chunked_over_unfused']:.3f}")
     if r.get("real_over_bench") is not None:
         extra.append(f"real/bench tokens/s {r['real_over_bench']:.3f}")
     if "host_syncs" in r:
@@ -196,6 +200,10 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
     for micro, shape in splits.items():
         out.append((f"paper-180m eager {micro}", 50,
                     lambda shape=shape, a=not out: measure(shape, [], o, audited=a)))
+        if len(out) == 1:  # the fused kernels' row (eager is --kernel-fusion auto): right after it
+            out.append((f"paper-180m --kernel-fusion none {micro}", 50,
+                        lambda shape=shape: measure(shape, ["--kernel-fusion", "none"], o)))
+            out.append(("head + loss memory, unfused vs chunked", 30, lambda: head_memory(o)))
         out.append((f"paper-180m --compile {micro}", 90, no_compile or (
             lambda shape=shape: measure(shape, ["--compile"], o))))
         out.append((f"paper-180m graphs {micro}", 100, no_graphs or (
@@ -220,11 +228,35 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
     return out
 
 
+def head_memory(o: argparse.Namespace) -> dict[str, Any]:
+    """The paper's head + loss in bf16, unfused vs chunked (``--kernel-fusion`` ce): peak tensor bytes,
+    each in a fresh process (benchmarks/head_memory.py; tiny in the dry run)."""
+    import json
+    import subprocess
+    import tempfile
+
+    shape = ["--tokens", "256", "--hidden", "64", "--vocab", "512"] if o.dry_run else []
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "head_memory.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "head.json")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        subprocess.run([sys.executable, script, "--dtypes", "bf16", "--device", device,
+                        "--json", path, *shape], check=True, capture_output=True, timeout=o.case_timeout)
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    unfused, chunked = (next(r for r in rows if r["case"] == c) for c in ("unfused", "chunked"))
+    return {"head_memory": rows, "head_chunked_over_unfused": chunked["peak_tensor_bytes"]
+            / unfused["peak_tensor_bytes"]}
+
+
 def derive(rows: list[dict[str, Any]]) -> None:
-    """Figures across rows: the plugin's overhead over eager 4 x 8, the real command over the benchmark."""
+    """Figures across rows: the plugin's overhead over eager 4 x 8, the real command over the benchmark,
+    the fused kernels' speed-up (eager, i.e. --kernel-fusion auto, over none)."""
     eager = next((r for r in rows if r["case"].startswith("paper-180m eager") and "s_per_step" in r), None)
     bench = row_by_case(rows, "collapse_metrics interval 10")
     for r in rows:
+        if r["case"].startswith("paper-180m --kernel-fusion none") and eager and "tokens_per_s" in r:
+            r["auto_over_none"] = eager["tokens_per_s"] / r["tokens_per_s"]
         if r["case"].startswith("collapse_metrics") and eager and "s_per_step" in r:
             r["overhead"] = r["s_per_step"] / eager["s_per_step"] - 1.0
         if r["case"].startswith("real command") and bench and "tokens_per_s" in r:

@@ -10,6 +10,8 @@ micro-batch size, so both are tiny (the default ``--seq 16 --micro 1``). With S(
 
     per layer per micro-batch  = (S(2, 8) - S(1, 8) - S(2, 4) + S(1, 4)) / 4
     per layer per step (fixed) = S(2, 8) - S(1, 8) - 8 * per-layer-per-micro-batch   (optimizer share)
+    per micro-batch outside the layers = (S(1, 8) - S(1, 4)) / 4 - per-layer-per-micro-batch
+                                 (embedding, head, loss and their accumulation hooks)
 
 "compute" ops read or write data (one kernel each on a GPU); views and allocations are listed apart.
 On CPU some ops decompose differently than on CUDA (e.g. ``F.rms_norm`` is composite on CPU, one
@@ -76,9 +78,12 @@ def summary(flags: str, o: argparse.Namespace) -> dict[str, Any]:
     cases = {(layers, accum): _fresh(layers, accum, o) for layers in (1, 2) for accum in (4, 8)}
     micro, step = per_layer(cases)
     meta_micro, _ = per_layer(cases, "metadata")
+    one = {m: sum(cases[1, m]["compute"].values()) for m in (4, 8)}
+    outside = (one[8] - one[4]) / 4 - sum(micro.values())
     return {"flags": flags, "device": o.device, "shape": SHAPE, "seq": o.seq, "micro": o.micro,
             "ops_per_layer_per_microbatch": sum(micro.values()),
             "ops_per_layer_per_step_fixed": sum(step.values()),
+            "ops_per_microbatch_outside_layers": outside,
             "metadata_ops_per_layer_per_microbatch": sum(meta_micro.values()),
             "by_op": dict(micro.most_common()), "step_by_op": dict(step.most_common())}
 
@@ -101,7 +106,8 @@ def main() -> None:
     r = result
     print(f"flags {o.flags or '(defaults)'} on {o.device}: {r['ops_per_layer_per_microbatch']:g} compute ops "
           f"per layer per micro-batch (+{r['ops_per_layer_per_step_fixed']:g} per layer per step; "
-          f"{r['metadata_ops_per_layer_per_microbatch']:g} view/metadata ops per layer per micro-batch)")
+          f"{r['metadata_ops_per_layer_per_microbatch']:g} view/metadata ops per layer per micro-batch; "
+          f"{r['ops_per_microbatch_outside_layers']:g} per micro-batch outside the layers)")
     for name, n in result["by_op"].items():
         print(f"  {name:40s} {n:g}")
     if o.json:

@@ -55,9 +55,9 @@ class RunLayout:
                    config.runtime.bf16, par.sequence_parallel)
 
     @classmethod
-    def before_resolution(cls, model: ModelConfig, args: Mapping[str, Any]) -> RunLayout:
-        """At start-up, before any group forms: ``model`` and the parsed flags (by dest) as given."""
-        return cls(model_shape(model), *(args[k] for k in LAYOUT_KEYS))
+    def before_resolution(cls, model: ModelConfig, given: Mapping[str, Any]) -> RunLayout:
+        """At start-up, before any group forms: ``model`` and the layout flags as given (by dest)."""
+        return cls(model_shape(model), *(given[k] for k in LAYOUT_KEYS))
 
     def deepspeed_layout(self) -> dict[str, Any]:
         """What makes DeepSpeed's own files layout-specific (``format.layout_of``)."""

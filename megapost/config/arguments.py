@@ -110,8 +110,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                         "eager); slower than eager on an H200 at paper-180m so far (docs/kernels.md)")
     g.add_argument("--kernel-fusion", type=_fusion_spec, default="auto", metavar="auto|none|LIST",
                    help="fused kernels (docs/kernels.md): auto = those bit-identical in fp32 always, packed "
-                        "QKV and W1/W3 GEMMs when not fp32; none; or a comma list of rope, qkv, w13, "
-                        "swiglu, grad-accum")
+                        "QKV and W1/W3 GEMMs and the chunked head + loss when not fp32; none; or a comma "
+                        "list of rope, qkv, w13, swiglu, grad-accum, norm, ce")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

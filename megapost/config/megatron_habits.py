@@ -26,7 +26,8 @@ MODEL_MARKERS = (
 NOTED: dict[str, str] = {
     "--apply-layernorm-1p": "zero-centred norm gains (g = 1 + w): the same training here, since norm gains "
                             "get no weight decay and Adam sees the same gradient for w as for g",
-    "--cross-entropy-loss-fusion": "the cross-entropy is torch's fp32 log-softmax (vocab-parallel under TP)",
+    "--cross-entropy-loss-fusion": "the loss is megapost's blocked fp32 cross-entropy, fused with the head "
+                                   "at TP 1 in bf16 (--kernel-fusion ce, on under auto)",
     "--no-create-attention-mask-in-dataloader": "no mask is ever built: SDPA's causal flag",
     "--log-validation-ppl-to-tensorboard": "valid/ppl is always written to TensorBoard",
     "--calculate-per-token-loss": "every micro-batch has the same token count (no loss mask), so the "

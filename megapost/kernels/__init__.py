@@ -1,12 +1,16 @@
 """Fused training kernels for the model: fewer, bigger ops per layer (one GEMM for several
-projections, RoPE and SwiGLU as autograd Functions with hand-written backwards). Plain torch ops
-only, no torch.compile; each is checked against the unfused path in tests/test_kernels.py. Which ones
-run is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
+projections, RoPE, SwiGLU and the residual add + RMSNorm as autograd Functions with hand-written
+backwards) and the LM head + cross-entropy chunked over tokens (no full logits). Plain torch ops only,
+no torch.compile; each is checked against the unfused path in tests/test_kernels*.py. Which ones run
+is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
 
 Imports nothing of megapost but utils (pyproject.toml's contracts)."""
 
+from megapost.kernels.add_norm import add_rms_norm, rms_norm
 from megapost.kernels.linear import packed_linear, packed_weight
+from megapost.kernels.linear_ce import linear_cross_entropy
 from megapost.kernels.rope import rope
 from megapost.kernels.swiglu import swiglu_packed
 
-__all__ = ["packed_linear", "packed_weight", "rope", "swiglu_packed"]
+__all__ = ["add_rms_norm", "linear_cross_entropy", "packed_linear", "packed_weight", "rms_norm", "rope",
+           "swiglu_packed"]

@@ -9,7 +9,7 @@ from torch import nn
 from megapost.model.attention import Attention
 from megapost.model.config import ModelConfig
 from megapost.model.mlp import SwiGLU
-from megapost.model.norm import make_norm
+from megapost.model.norm import RMSNorm, make_norm
 from megapost.model.placements import Sublayer
 from megapost.model.probe import Probe
 
@@ -46,23 +46,40 @@ class TransformerBlock(nn.Module):
         self.probe_attn = Probe(("layer", layer_number, "attn"))
         self.probe_ffn = Probe(("layer", layer_number, "ffn"))
 
+    @staticmethod
+    def _add(x: torch.Tensor, h: torch.Tensor, scale: float, norm: nn.Module | None,
+             observed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Y = scale * x + h, norm(Y) or None); RMSNorm fuses the add in (``RMSNorm(x, h, scale)``)
+        unless a probe listener sees Y: a hook on Y must see its whole gradient, which the fused
+        Function keeps inside (bit-identical either way)."""
+        if isinstance(norm, RMSNorm) and not observed:
+            return norm(x, h, scale)
+        y = x + h if scale == 1.0 else x * scale + h
+        return y, (norm(y) if norm is not None else None)
+
     def _sublayer(self, x: torch.Tensor, rule: Sublayer, fn: nn.Module, norm: nn.Module | None,
-                  out_norm: nn.Module | None, probe: Probe) -> torch.Tensor:
+                  out_norm: nn.Module | None, probe: Probe, normed: torch.Tensor | None = None,
+                  next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the stream after the sublayer, ``next_norm`` of it when given and the stream is not
+        normalised here); ``normed``: this sublayer's input norm of ``x``, computed by the previous add."""
         h = x
         if rule.input_norm:
-            h = norm(h)
+            h = normed if normed is not None else norm(h)
             if rule.input_scale != 1.0:
                 h = h * rule.input_scale
         h = fn(h)
         if out_norm is not None:
             h = out_norm(h)
-        y = x + h if rule.residual_scale == 1.0 else x * rule.residual_scale + h
-        out = norm(y) if rule.post_norm else None
+        y, out = self._add(x, h, rule.residual_scale, norm if rule.post_norm else next_norm,
+                           observed=probe.listener is not None)
         norm_in = {"x": x, "y": y}.get(rule.norm_input) if self.measures_rms else None
-        probe(x=x, y=y, out=out, norm_in=norm_in)
-        return y if out is None else out
+        probe(x=x, y=y, out=out if rule.post_norm else None, norm_in=norm_in)
+        return (out, None) if rule.post_norm else (y, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._sublayer(x, self.attn_rule, self.attention, self.attention_norm, self.attention_out_norm,
-                           self.probe_attn)
-        return self._sublayer(x, self.ffn_rule, self.mlp, self.mlp_norm, self.mlp_out_norm, self.probe_ffn)
+        # the attention's add and the FFN's input norm in one call (Pre-Norm, sandwich)
+        next_norm = self.mlp_norm if self.ffn_rule.input_norm else None
+        x, normed = self._sublayer(x, self.attn_rule, self.attention, self.attention_norm,
+                                   self.attention_out_norm, self.probe_attn, next_norm=next_norm)
+        return self._sublayer(x, self.ffn_rule, self.mlp, self.mlp_norm, self.mlp_out_norm, self.probe_ffn,
+                              normed=normed)[0]

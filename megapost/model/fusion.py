@@ -1,11 +1,13 @@
 """Which fused kernels (``megapost.kernels``) the model's modules use: ``--kernel-fusion``.
 
 "auto" (the default) runs every fusion that is bit-identical to the unfused path in fp32 (RoPE, the
-SwiGLU gate, the fp32 gradient accumulation) everywhere, and the packed Q/K/V and W_1/W_3 GEMMs (which
-change fp32 rounding: one GEMM sums dx over all the projections' rows at once) only when the
-activations are not fp32, so fp32 runs keep their bits. "none" is the unfused reference; a comma list
-of ``FUSIONS`` forces exactly those on. Under torch.compile the modules take the unfused expressions
-(Inductor fuses them itself).
+SwiGLU gate, the fp32 gradient accumulation, the residual add + RMSNorm) everywhere, and the packed
+Q/K/V and W_1/W_3 GEMMs (which change fp32 rounding: one GEMM sums dx over all the projections' rows at
+once) and the chunked head + cross-entropy (``ce``: sums dW over token chunks) only when the
+activations are not fp32, so fp32 runs keep their bits. ``norm`` acts where RMSNorm is torch's
+composite (CPU); on CUDA torch's fused kernel (or apex's) already is one kernel each way. "none" is
+the unfused reference; a comma list of ``FUSIONS`` forces exactly those on. Under torch.compile the
+modules take the unfused expressions (Inductor fuses them itself).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-FUSIONS = ("rope", "qkv", "w13", "swiglu", "grad-accum")
-EXACT_IN_FP32 = frozenset({"rope", "swiglu", "grad-accum"})
+FUSIONS = ("rope", "qkv", "w13", "swiglu", "grad-accum", "norm", "ce")
+EXACT_IN_FP32 = frozenset({"rope", "swiglu", "grad-accum", "norm"})
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,14 @@
-"""Language-model loss: mean token cross-entropy over the loss mask, in fp32 from logits of any dtype."""
+"""Language-model loss: mean token cross-entropy over the loss mask, in fp32 from logits of any dtype,
+or from the head's input and weight (``HeadOutput``: the chunked head + cross-entropy, no logits)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megapost.kernels import linear_cross_entropy
 
 # fp32 elements of one block of logit rows: on CPU a block stays in L2 cache (2 MiB); elsewhere the
 # blocks only bound the fp32 temporaries.
@@ -59,14 +63,28 @@ class _CrossEntropy(torch.autograd.Function):
         return out, None
 
 
-def cross_entropy_and_lse(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class HeadOutput:
+    """What the head returns instead of logits under ``--kernel-fusion`` ce (``Head.forward``): its
+    input [..., h] and its weight [v, h]; the loss computes the logits chunk by chunk."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+
+def cross_entropy_and_lse(logits: torch.Tensor | HeadOutput,
+                          target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token CE and log Z = logsumexp(logits) in fp32, each of the shape of ``target``;
-    ``logits`` [..., v], every target in [0, v)."""
+    ``logits`` [..., v] (or a ``HeadOutput``), every target in [0, v)."""
+    if isinstance(logits, HeadOutput):
+        hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+        ce, lse = linear_cross_entropy(hidden, logits.weight, target.reshape(-1))
+        return ce.view(target.shape), lse.view(target.shape)
     ce, lse = _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
     return ce.view(target.shape), lse.view(target.shape)
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor | HeadOutput, target: torch.Tensor) -> torch.Tensor:
     """Per-token CE in fp32, shape of ``target``; ``logits`` [..., v], every target in [0, v)."""
     return cross_entropy_and_lse(logits, target)[0]
 
@@ -86,7 +104,7 @@ def masked_lm_loss(ce: torch.Tensor, lse: torch.Tensor, loss_mask: torch.Tensor,
     return loss
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, z_loss: float = 0.0,
-            record: list[torch.Tensor] | None = None) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor | HeadOutput, labels: torch.Tensor, loss_mask: torch.Tensor,
+            z_loss: float = 0.0, record: list[torch.Tensor] | None = None) -> torch.Tensor:
     """sum(CE * mask) / sum(mask), CE in fp32 (``z_loss``, ``record``: see ``masked_lm_loss``)."""
     return masked_lm_loss(*cross_entropy_and_lse(logits, labels), loss_mask, z_loss, record)

@@ -1,11 +1,16 @@
-"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm), and
-Dynamic Tanh, the norm-free replacement of the ``dyt`` placement."""
+"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm; on CPU,
+where F.rms_norm is a composite, ``megapost.kernels.add_rms_norm`` under ``--kernel-fusion`` norm), its
+residual add fused in (``RMSNorm(x, h)``), and Dynamic Tanh, the norm-free replacement of the ``dyt``
+placement."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megapost.kernels import add_rms_norm, rms_norm
+from megapost.model.fusion import Fusion
 
 try:  # optional fused kernel: usable only when its CUDA extension loads (a Python-only apex install
     # imports fine and fails at the first call)
@@ -22,12 +27,33 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fusion = Fusion()  # megapost.model.fusion.set_kernel_fusion
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor) -> bool:
+        """The fused Function replaces torch's composite (non-CUDA) kernel, in eager mode."""
+        return (x.device.type != "cuda" and self.fusion.on("norm", x.dtype)
+                and not torch.compiler.is_compiling())
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``self(x)``: the norm of x. ``self(x, h, scale)``: (y, the norm of y) for y = ``scale`` * x + h,
+        one fused Function where ``_fused`` (a module call either way: hooks on the norm run)."""
+        if h is None:
+            return self._norm(x)
+        if self._fused(x):
+            return add_rms_norm(x, h, self.weight, self.eps, scale)
+        y = x + h if scale == 1.0 else x * scale + h
+        return y, self._norm(y)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # alone not in fp32: where x has other readers autograd adds their gradients to the norm's
+        # three terms one by one, the Function to their sum (in bf16 autograd also sums them first)
+        if self._fused(x) and x.dtype != torch.float32:
+            return rms_norm(x, self.weight, self.eps)
         if _ApexRMSNorm is not None and x.is_cuda:
             from apex.normalization.fused_layer_norm import fused_rms_norm_affine  # type: ignore
 

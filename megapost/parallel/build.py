@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -21,7 +22,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class ParallelLlamaModel(nn.Module):
     """``LlamaModel`` (same submodules, parameter names and initial weights) sharded over tensor
     parallelism; each module is built full size, initialised and sharded before the next is built.
-    tokens [b, s] -> logits [b, s, vocab/tp]. With ``checkpoint_activations`` every
+    tokens [b, s] -> logits [b, s, vocab/tp] (inside ``head_output()``, at TP 1 under --kernel-fusion
+    ce, a ``HeadOutput`` for ``LMLoss`` to compute them chunk by chunk). With ``checkpoint_activations`` every
     ``checkpoint_num_layers`` blocks are recomputed in backward (non-reentrant; probes do not fire
     during the recompute)."""
 
@@ -37,6 +39,16 @@ class ParallelLlamaModel(nn.Module):
         self.layers = nn.ModuleList(parallelize_block(build_block(cfg, n), pstate)
                                     for n in range(1, cfg.num_layers + 1))
         self.head = parallelize_head(Head(cfg), pstate)
+
+    @contextmanager
+    def head_output(self) -> Iterator[None]:
+        """Forward passes whose output goes to ``LMLoss`` (the step runner's): the head may return a
+        ``HeadOutput`` (``Head``); any other caller of the model gets logits."""
+        self.head.returns_head_output = True
+        try:
+            yield
+        finally:
+            self.head.returns_head_output = False
 
     def _segment_probes(self, start: int, stop: int) -> list:
         """The probes of layers [start, stop), walked once (not the whole model per segment: O(L^2))."""

@@ -52,13 +52,17 @@ saves only the logits e*T*V and the fp32 log-sum-exp 4*T, and its backward holds
 e*T*V plus one fp32 block of rows (``BLOCK_ELEMENTS``; none for fp32 logits, which it rewrites in
 place). Under TP the vocab-parallel loss keeps only the fp32 softmax 4*T*V/t (not the logits) and
 its backward holds two more fp32 logit-sized tensors. Without a pipeline nothing else holds the logits;
-DeepSpeed's pipeline keeps them in its output buffers (through the step).
+DeepSpeed's pipeline keeps them in its output buffers (through the step). The chunked head + loss
+(``--kernel-fusion`` ce: TP 1, no pipeline; under auto not in fp32; ``megapost/kernels/linear_ce.py``)
+saves no logits, only the fp32 log-sum-exp 4*T; its backward holds the fp32 dW accumulator 4*V*h, one
+chunk's product dz^T x e*V*h and one chunk of rows in fp32 and in the activations' dtype (4 + e)*rows*V.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from megapost.kernels.linear_ce import DEFAULT_CHUNK_ELEMENTS
 from megapost.model import ModelConfig
 from megapost.model.loss import DEFAULT_BLOCK_ELEMENTS
 from megapost.plan.counts import kv_groups, kv_groups_per_rank, stage_layers, stage_parameters
@@ -102,6 +106,8 @@ class Precision:
     norm_kernel: str = "fused"  # "composite" on CPU, "fused" (torch) or "apex" on CUDA: norm_bytes
     loss_block_elements: int = DEFAULT_BLOCK_ELEMENTS  # megapost.model.loss.BLOCK_ELEMENTS of the device
     packed: bool = True  # --kernel-fusion auto: packed Q/K/V and W_1/W_3 + fused SwiGLU in bf16 (fusion.py)
+    chunked_ce: bool | None = None  # chunked head + loss at TP 1, PP 1: None (auto) outside fp32, else forced
+    ce_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS  # megapost.kernels.linear_ce.CHUNK_ELEMENTS of the device
 
     @property
     def act_bytes(self) -> int:
@@ -200,11 +206,15 @@ def korthikanti_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int = 1, sp:
 
 def head_bytes(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, e: int,
                norm_kernel: str = "composite", block_elements: int = DEFAULT_BLOCK_ELEMENTS,
-               pipelined: bool = False) -> tuple[int, int]:
-    """(saved by the head for one micro-batch, extra transient in its backward): module docstring."""
+               pipelined: bool = False, chunk_elements: int | None = None) -> tuple[int, int]:
+    """(saved by the head for one micro-batch, extra transient in its backward): module docstring.
+    ``chunk_elements``: the chunked head + loss runs (where it can: TP 1, no pipeline)."""
     h, v, t_all = cfg.hidden_size, cfg.vocab_size // tp, micro_batch * cfg.seq_length
     t_sp = t_all // tp if sp else t_all
     norm = stream_norm_bytes(cfg, t_sp, e == 2, norm_kernel) if cfg.final_norm else 0
+    if chunk_elements and tp == 1 and not pipelined:
+        rows = min(t_all, max(1, chunk_elements // max(v, 1)))
+        return norm + e * t_all * h + 4 * t_all, (4 + e) * v * h + (4 + e) * rows * v
     if tp == 1:  # blocked CE: logits + log-sum-exp; backward: dlogits + one fp32 block (bf16 logits)
         rows = min(t_all, max(1, block_elements // max(v, 1)))
         block = 4 * rows * v if e != 4 else 0
@@ -245,8 +255,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
     per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1
+    chunked = prec.chunked_ce if prec.chunked_ce is not None else e != 4
+    chunk = prec.ce_chunk_elements if chunked else None
     head_saved, head_transient = (head_bytes(cfg, lay.micro_batch, lay.tp, lay.sequence_parallel, e,
-                                             prec.norm_kernel, prec.loss_block_elements, lay.pp > 1)
+                                             prec.norm_kernel, prec.loss_block_elements, lay.pp > 1, chunk)
                                   if last else (0, 0))
     logits = e * tokens * cfg.vocab_size // lay.tp if last else 0
     held_at_step = logits if lay.pp > 1 else 0  # without a pipeline the loss's graph holds them last

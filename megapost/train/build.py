@@ -146,6 +146,10 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
                                  z_loss=config.optimizer.z_loss)
     fusion = parse_fusion(run.kernel_fusion)
     set_kernel_fusion(model, fusion)
+    if (fusion.names and "ce" in fusion.names and pstate.is_logging_rank
+            and (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1)):
+        print("--kernel-fusion ce: the unfused head and loss under tensor or pipeline parallelism (the "
+              "chunked head + cross-entropy runs at TP 1, PP 1; docs/kernels.md)")
     if run.compile:
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:

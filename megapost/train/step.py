@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,11 +41,14 @@ class StepRunner:
     def micro_losses(self, batches: Iterator[Any], backward: bool) -> torch.Tensor:
         """The data-parallel mean loss of one step's micro-batches: forward and backward (the optimizer
         step follows), or forward only."""
+        # the model's output goes straight to the loss: the head may leave the logits to it (ce fusion)
+        with getattr(self.engine.module, "head_output", nullcontext)():
+            if backward:
+                loss = self.engine.forward_backward(batches, self.grad_accum_steps)
+            else:
+                loss = self.engine.forward_only(batches, self.grad_accum_steps)
         if backward:
-            loss = self.engine.forward_backward(batches, self.grad_accum_steps)
             self.engine.step()
-        else:
-            loss = self.engine.forward_only(batches, self.grad_accum_steps)
         return self.dp_mean(loss)
 
     def skip_batches(self) -> None:
