@@ -107,14 +107,17 @@ def count_step(argv: list[str]) -> dict[str, Any]:
     trainer, history = train_with_step(argv, train_step)
     from megapost.ds_adapter.overlap import installed
 
-    engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine
-    overlap = installed(engine)
+    engine = trainer.engine.ds  # DeepSpeed's engine under megapost's Engine (the native engine: itself)
+    native = not hasattr(engine, "zero_optimization_stage")  # megapost.native (--use-distributed-optimizer)
+    overlap = None if native else installed(engine)
     losses = history["train_loss"]
-    return {"by_axis": _by_axis(trainer.pstate),
-            "overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
+    buckets = len(overlap.buckets) if overlap is not None else 0
+    buckets = len(trainer.engine.dist.buckets) if native else buckets
+    return {"by_axis": _by_axis(trainer.pstate), "overlap_buckets": buckets,
             "payload": dict(COUNTS.payload), "wire": dict(COUNTS.wire), "calls": dict(COUNTS.calls),
             "params": sum(p.numel() for p in engine.module.parameters()),
-            "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
+            "zero_stage": "native" if native else engine.zero_optimization_stage(),
+            "optimizer": "DistributedOptimizer" if native else type(engine.optimizer).__name__,
             "rank": dist.get_rank(), "loss": losses[max(losses)] if losses else None}
 
 

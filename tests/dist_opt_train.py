@@ -139,18 +139,25 @@ def reshard(steps: int) -> dict[str, Any]:
     return out
 
 
-def trace_step(bf16: bool = True) -> dict[str, Any]:
-    """Events of optimizer step 2 (after step 1 updated the weights): collective issues from the
-    optimizer, and each parameterised leaf module's forward start/end and first gradient."""
-    events: list[str] = []
-    torch.manual_seed(0)
-    model, opt = build(bf16, trace=events.append)
+def record_compute(model: torch.nn.Module, events: list[str]) -> dict[torch.nn.Module, str]:
+    """Append "forward start/end NAME" and "grad NAME" (as its gradient is accumulated) to ``events`` for
+    each module with parameters of its own; returns those modules' names."""
     names = {m: n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
     for m, n in names.items():
         m.register_forward_pre_hook(lambda _m, _a, n=n: events.append(f"forward start {n}"))
         m.register_forward_hook(lambda _m, _a, _o, n=n: events.append(f"forward end {n}"))
         for p in m.parameters(recurse=False):
             p.register_post_accumulate_grad_hook(lambda _p, n=n: events.append(f"grad {n}"))
+    return names
+
+
+def trace_step(bf16: bool = True) -> dict[str, Any]:
+    """Events of optimizer step 2 (after step 1 updated the weights): collective issues from the
+    optimizer, and each parameterised leaf module's forward start/end and first gradient."""
+    events: list[str] = []
+    torch.manual_seed(0)
+    model, opt = build(bf16, trace=events.append)
+    names = record_compute(model, events)
     run_step(model, opt, 1, 2)
     events.clear()
     run_step(model, opt, 2, 2)

@@ -131,6 +131,7 @@ class RunSpec:
     optimizer: str = "adamw"  # or "sgd" (no momentum: parameter differences are lr x gradient differences)
     count_comm: bool = False  # time steps, count tensor-parallel collective bytes from step 2 (1 warms up)
     z_loss: float = 0.0  # PaLM's z-loss coefficient (build_model's loss function)
+    flags: tuple[str, ...] = ()  # more megapost-pretrain flags (e.g. --use-distributed-optimizer, --bf16)
 
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
@@ -201,7 +202,7 @@ def layout_argv(spec: RunSpec, cfg: ModelConfig, data_prefix: str) -> list[str]:
              "--eval-interval", 0, "--log-interval", spec.steps, "--peak-tflops", 1]
     flags += ["--sequence-parallel"] if spec.sp else []
     flags += ["--checkpoint-activations"] if spec.checkpoint_activations else []
-    return [str(f) for f in flags]
+    return [str(f) for f in [*flags, *spec.flags]]
 
 
 class StepClock(Plugin):

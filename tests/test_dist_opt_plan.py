@@ -50,9 +50,10 @@ def test_candidates_offer_it_only_when_asked() -> None:
     assert "DistOpt" in ours[0].layout.label()
 
 
-def test_cli_prices_the_flag_as_what_the_trainer_runs(capsys) -> None:
-    """``--use-distributed-optimizer`` still runs DeepSpeed's ZeRO-1 in the trainer (megatron_flags), so the
-    CLI prices exactly what ``--zero-stage 1`` prices, and its note says the new optimizer is not wired."""
+def test_cli_prices_the_flag_as_the_native_engine(capsys) -> None:
+    """``--use-distributed-optimizer`` runs megapost's native engine (megapost.native), so the CLI prices its
+    layouts as the distributed optimizer (DistOpt at DP > 1, PP 1 only: the trainer refuses PP > 1 with
+    it) and says so; at 64 GPUs it exposes less data-parallel time than ZeRO-1's best layout."""
     import json
 
     from megapost.plan.__main__ import main as plan_main
@@ -62,9 +63,12 @@ def test_cli_prices_the_flag_as_what_the_trainer_runs(capsys) -> None:
         return json.loads(capsys.readouterr().out)
 
     ours, zero1 = plan("--use-distributed-optimizer"), plan("--zero-stage", "1")
-    assert ours["recommended"] == zero1["recommended"] and ours["fitting"] == zero1["fitting"]
-    assert {r["layout"]["zero_stage"] for r in ours["fitting"]} == {1}
-    assert not any(r["layout"]["distributed_optimizer"] for r in ours["fitting"] + ours["not_fitting"])
-    assert any("built, not yet the trainer's" in n for n in ours["notes"]) and not zero1["notes"]
+    rows = ours["fitting"] + ours["not_fitting"]
+    assert all(r["layout"]["pp"] == 1 and r["layout"]["zero_stage"] == 1 for r in rows)
+    assert all(r["layout"]["distributed_optimizer"] == (r["layout"]["dp"] > 1) for r in rows)
+    assert not any(r["layout"]["distributed_optimizer"] for r in zero1["fitting"] + zero1["not_fitting"])
+    assert ours["recommended"]["layout"]["distributed_optimizer"]
+    assert ours["recommended"]["seconds_by_cause"]["dp"] < zero1["recommended"]["seconds_by_cause"]["dp"]
+    assert any("megapost's native engine" in n for n in ours["notes"]) and not zero1["notes"]
     plan_main(["--preset", "llama-7b", "--gpus", "64", "--use-distributed-optimizer"])
-    assert "DeepSpeed ZeRO-1" in capsys.readouterr().out
+    assert "DistOpt" in capsys.readouterr().out

@@ -202,15 +202,16 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
 
 
 def apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:
-    """What ``--use-distributed-optimizer`` runs today: DeepSpeed's ZeRO stage 1 unless --zero-stage is
-    typed (megapost.parallel.dist_optimizer is built but not yet the trainer's; the planner reads this)."""
+    """``--use-distributed-optimizer`` runs megapost's native engine (megapost.native: its own distributed
+    optimizer, no DeepSpeed); --zero-stage keeps 1, the stage whose memory the native engine's is."""
     if not args.use_distributed_optimizer:
         return []
     if "zero_stage" in args.explicit and args.zero_stage == 0:
         raise _refuse("--use-distributed-optimizer", "conflicts with --zero-stage 0")
     if "zero_stage" not in args.explicit:
         args.zero_stage = 1
-    return [f"--use-distributed-optimizer -> ZeRO stage {args.zero_stage}"]
+    return ["--use-distributed-optimizer -> megapost's distributed optimizer (the native engine, no "
+            "DeepSpeed)"]
 
 
 def _apply_schedule(args: argparse.Namespace) -> None:

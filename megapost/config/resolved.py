@@ -123,6 +123,7 @@ class EngineConfig:
     overlap_grad_reduce: bool  # whether the run overlaps gradient reduction with backward
     grad_reduce_in_bf16: bool
     reduce_notes: tuple[str, ...]  # the start-up notes of these choices
+    distributed_optimizer: bool = False  # --use-distributed-optimizer: megapost.native's engine
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ def engine_config(a: argparse.Namespace, device_type: str) -> EngineConfig:
         batch=BatchConfig(micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
                           grad_accum_steps=a.grad_accum_steps),
         clip_grad=a.clip_grad, bf16=bool(a.bf16), zero_stage=zero_stage, overlap_grad_reduce=overlap,
-        grad_reduce_in_bf16=bool(a.grad_reduce_in_bf16 and a.bf16), reduce_notes=reduce_notes)
+        grad_reduce_in_bf16=bool(a.grad_reduce_in_bf16 and a.bf16), reduce_notes=reduce_notes,
+        distributed_optimizer=bool(getattr(a, "use_distributed_optimizer", False)))
 
 
 def _data(a: argparse.Namespace) -> DataConfig:

@@ -222,14 +222,31 @@ class DistributedOptimizer:
         """Reduce, clip and step the shard; dispatch bucket 0's gather. Returns False (every rank alike)
         when the global gradient norm is not finite: the step is skipped, the gradients dropped."""
         self.finish_grad_sync()
+        return not bool(self.apply())
+
+    def apply(self) -> torch.Tensor:
+        """After ``finish_grad_sync``: the global norm, clipping and the optimizer step on the shard, bucket
+        0's gather dispatched; returns the 0-d device flag ``skipped`` (the norm is not finite). With an
+        optimizer that takes ``found_inf`` (fused Adam/AdamW) the skip stays on the device (weights,
+        moments and step counts unchanged, no host read); otherwise it is read on the host."""
         self.grad_norm = self._global_norm()
         self.skipped = ~torch.isfinite(self.grad_norm)
-        if not bool(self.skipped):
-            if self.clip_grad > 0:
-                coef = torch.clamp(self.clip_grad / (self.grad_norm + 1e-6), max=1.0)
-                for b in self.buckets:
-                    b.grad.mul_(coef)
-            self.optimizer.step()
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (self.grad_norm + 1e-6), max=1.0)
+            for b in self.buckets:
+                b.grad.mul_(coef)
+        if takes_found_inf(self.optimizer):
+            self.optimizer.found_inf = self.skipped.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            stepped = True
+        else:
+            stepped = not bool(self.skipped)
+            if stepped:
+                self.optimizer.step()
+        if stepped:  # skipped on the device: the masters are unchanged, so are the copies
             for b in self.buckets:
                 b.param_buf[b.lo:b.hi].copy_(b.master.detach())
                 b.gather_due = True
@@ -240,7 +257,20 @@ class DistributedOptimizer:
             b.grad_buf.zero_()
         if self.buckets[0].gather_due:
             self._dispatch_gather(0)
-        return not bool(self.skipped)
+        return self.skipped
+
+    def offset(self, p: nn.Parameter) -> int:
+        """Where ``p`` starts in its bucket."""
+        return self._offset_of[id(p)]
+
+    def owned(self, p: nn.Parameter) -> tuple[_Bucket, int, int] | None:
+        """(bucket, start, end) of the part of ``p`` (flattened) in this rank's shard; None if none."""
+        b = self._bucket_of.get(id(p))
+        if b is None:
+            return None
+        off = self._offset_of[id(p)]
+        lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+        return (b, lo - off, hi - off) if lo < hi else None
 
     # ------------------------------------------------------------------ weights
 
@@ -261,6 +291,16 @@ class DistributedOptimizer:
             self.trace(f"gathered {i}")
         if i + 1 < len(self.buckets):
             self._dispatch_gather(i + 1)
+
+    def rebuild_weights(self) -> None:
+        """The model's weights from the fp32 masters (after they were written): every bucket's slice cast
+        and all-gathered now (collective)."""
+        self.finish_param_sync()
+        with torch.no_grad():
+            for b in self.buckets:
+                b.param_buf[b.lo:b.hi].copy_(b.master)
+                b.gather_due = True
+        self.finish_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for every bucket's gather (before a save, an evaluation outside the hooks, or the end)."""
@@ -324,6 +364,12 @@ class DistributedOptimizer:
                     slot.update({k: v.clone() if torch.is_tensor(v) else v
                                  for k, v in state["scalars"].items()})
                     slot.update({k: v[seg_slice(b, seg)].clone() for k, v in tensors.items()})
+
+
+def takes_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` skips on a nonzero ``found_inf`` (torch's fused Adam and AdamW)."""
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    return adam and bool(optimizer.defaults.get("fused"))
 
 
 def seg_slice(b: _Bucket, seg: torch.Tensor) -> slice:

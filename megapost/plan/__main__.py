@@ -35,10 +35,10 @@ SPEED_FLAGS = (  # the speed model's Cluster fields a flag sets (megapost/plan/t
     ("inter_node_gbs", float, "GB/s per GPU between nodes (the network)"),
 )
 TIE = 0.005  # layouts predicted within 0.5 % of the fastest are reported as tied
-DIST_OPT_NOTE = ("--use-distributed-optimizer: priced as what the trainer runs under it, DeepSpeed ZeRO-1; "
-                 "megapost's own distributed optimizer (megapost/parallel/dist_optimizer.py: one "
-                 "reduce-scatter and an overlapped gather, ~0.6x the bytes in bf16) is built, not yet the "
-                 "trainer's (docs/multi-gpu.md)")
+DIST_OPT_NOTE = ("--use-distributed-optimizer: priced as what the trainer runs under it, megapost's native "
+                 "engine (megapost/native: one reduce-scatter per step overlapped with the last backward, "
+                 "the weight gather with the next forward; ~0.6x ZeRO-1's bytes in bf16); pipeline "
+                 "parallelism 1 only, as the trainer refuses PP > 1 with it (docs/multi-gpu.md)")
 
 
 DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
@@ -162,8 +162,11 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                        cluster=cluster, margin=args.memory_margin, clip_grad=args.clip_grad,
                        reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
                        checkpoint_num_layers=args.checkpoint_num_layers,
-                       micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None)
+                       micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None,
+                       distributed_optimizer=bool(args.use_distributed_optimizer))
     cands = [c for c in cands if _allowed(c.layout, args)]
+    if args.use_distributed_optimizer:  # the native engine: PP 1 (megapost.native.build.refusals)
+        cands = [c for c in cands if c.layout.pp == 1]
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
 

@@ -62,8 +62,8 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                micro_batches: list[int] | None = None, checkpoint_num_layers: int = 1,
                reduce_in_bf16: bool = False, distributed_optimizer: bool = False) -> list[Candidate]:
     """Every layout megapost can run on ``gpus`` GPUs, with its memory and predicted speed; with
-    ``distributed_optimizer`` ZeRO-1 is megapost's distributed optimizer (megapost.parallel.dist_optimizer;
-    built, not yet the trainer's: the CLI prices ``--use-distributed-optimizer`` as DeepSpeed ZeRO-1)."""
+    ``distributed_optimizer`` ZeRO-1 at DP > 1 is megapost's distributed optimizer (the native engine of
+    ``--use-distributed-optimizer``, megapost.native; the CLI keeps its layouts at PP 1)."""
     out: list[Candidate] = []
     cluster = cluster or Cluster()
     usable = memory_bytes * (1 - margin)

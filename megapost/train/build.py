@@ -30,7 +30,9 @@ from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
 from megapost.model.config import ModelConfig
-from megapost.model.fusion import parse_fusion, set_kernel_fusion
+from megapost.model.fusion import Fusion, parse_fusion, set_kernel_fusion
+from megapost.native import build as native
+from megapost.native.engine import NativeEngine
 from megapost.optim import hooks as optim_hooks
 from megapost.optim.ds_config import build_ds_config
 from megapost.optim.grad_reduce import configure_grad_reduction, overlap_bucket
@@ -161,25 +163,59 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     plugins = build_plugins(prep.plugin_classes, config, pstate, monitor)
     for plugin in plugins:
         plugin.on_model_built(model)
-    ds, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
-    engine = DeepSpeedEngine(ds, loss_fn, pipeline=config.parallel.pipeline_model_parallel_size > 1,
-                             tp_rank=pstate.tp_rank, dp_rank=pstate.dp_rank)
+    if native.selected(config):  # megapost's distributed optimizer, no DeepSpeed
+        engine, ds_config, reduce_notes = _native_engine(config, prep, model, loss_fn, pstate, device)
+        schedule = engine.lr_scheduler
+    else:
+        ds, ds_config, reduce_notes = build_engine(config, prep.user_ds, model, pstate)
+        engine = DeepSpeedEngine(ds, loss_fn, pipeline=config.parallel.pipeline_model_parallel_size > 1,
+                                 tp_rank=pstate.tp_rank, dp_rank=pstate.dp_rank)
+        schedule = ds.lr_scheduler
     peak = resolve_peak(config.logging.peak_tflops, torch.bfloat16 if config.engine.bf16 else torch.float32,
                         device, config.logging.remeasure_peak)
     planned = planned_rank_peak(model_cfg, config.engine.batch, run, pstate, ds_config)
     memory = PeakMemory(device, tracker, planned)
     trainer = Trainer(config, engine, loss_fn, pstate, data.train, data.valid, plugins, monitor,
-                      peak.tflops, device, memory=memory, faults=faults, schedule=ds.lr_scheduler,
+                      peak.tflops, device, memory=memory, faults=faults, schedule=schedule,
                       progress=progress)
-    skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
+    if isinstance(engine, NativeEngine):
+        engine.before_step = trainer.before_optimizer_step
+        trainer.logger.skips = engine.skips
+        faults.install(engine.module, engine.optimizer)  # a harness's hooks, if any
+    else:
+        _install_hooks(trainer, engine, config, ds_config, fusion, faults)
+    _start(trainer, config, peak.describe(), prep, device, reduce_notes)
+    return trainer
+
+
+def _native_engine(config: Config, prep: Prepared, model: torch.nn.Module, loss_fn: Any,
+                   pstate: ParallelState,
+                   device: torch.device) -> tuple[NativeEngine, dict[str, Any], list[str]]:
+    """--use-distributed-optimizer: the native engine (refused in one line where it does not run yet),
+    the DeepSpeed-shaped config the planner's memory reads (ZeRO-1: fp32 shards, full fp32 gradient
+    buffer), and its start-up notes."""
+    refused = native.refusals(config, prep.user_ds)
+    if refused:
+        raise ConfigError(refused[0])
+    engine = native.build_native(config, model, loss_fn, pstate, device,
+                                 lambda optimizer: build_schedule(optimizer, config.optimizer))
+    ds_config = build_ds_config(config.engine, {})
+    ds_config["zero_optimization"] = {**ds_config.get("zero_optimization", {}), "stage": 1}
+    explicit = set(getattr(prep.args, "explicit", ()))
+    return engine, ds_config, [native.start_note(engine, config), *native.notes(vars(prep.args), explicit)]
+
+
+def _install_hooks(trainer: Trainer, engine: DeepSpeedEngine, config: Config, ds_config: dict[str, Any],
+                   fusion: Fusion, faults: FaultInjector) -> None:
+    """megapost's hooks on DeepSpeed's engine (megapost.optim.hooks) and a harness's fault hooks."""
+    ds, run = engine.ds, config.runtime
+    skips = optim_hooks.install(ds, trainer.before_optimizer_step, trainer.pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),
                                 run.max_consecutive_skipped_iterations,
                                 fuse_grad_accumulation=fusion.on("grad-accum"))
     trainer.logger.skips = skips  # engine.step() returns its device flag (DeepSpeed's own step: its count)
     engine.skip_flag = None if skips.mode == "deepspeed" else skips.last
     faults.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # a harness's hooks, if any
-    _start(trainer, config, peak.describe(), prep, device, reduce_notes)
-    return trainer
 
 
 SAVED_BYTES_PER_PARAMETER = {"adam": 12, "sgd": 8}  # fp32 weight + the optimizer's fp32 state
