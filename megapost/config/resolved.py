@@ -168,7 +168,8 @@ class Config:
         plugins' configs under ``plugins``."""
         sections: dict[str, Any] = {name: asdict(getattr(self, name)) for name in SECTIONS}
         sections["data"]["sources"] = repr(self.data.sources)
-        sections["plugins"] = {name: asdict(cfg) for name, cfg in self.plugins.items()}
+        sections["plugins"] = {name: asdict(cfg) if cfg is not None else None  # None: no config_class
+                               for name, cfg in self.plugins.items()}
         return sections
 
 
