@@ -10,6 +10,7 @@ import numpy as np
 from megapost.study.events import ALTERNATIVES, DEFAULT, DELAYED, Criterion
 from megapost.study.hazard import (
     FACTORS,
+    INVERSE,
     SAT_GRID,
     TIME_FORMS,
     HazardFit,
@@ -37,7 +38,7 @@ def candidate_forms(runs: Sequence[HazardRun]) -> list[HForm]:
     forms = [HForm(var, t) for t in TIME_FORMS]
     forms += [HForm(tuple(g for g in var if g != f), t) for f in var for t in TIME_FORMS]
     if "tokens_per_step" in var:
-        forms += [HForm(var, t, sat) for t in TIME_FORMS for sat in SAT_GRID]
+        forms += [HForm(var, t, sat) for t in TIME_FORMS for sat in (*SAT_GRID, INVERSE)]
     return forms
 
 

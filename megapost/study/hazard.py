@@ -10,7 +10,8 @@ with lr(t) the lr the run actually had at t (its schedule), tau(t) the steps sin
 (time since peak; g: ``none``, ``log1p`` log(1 + tau/100) or ``linear`` tau/1000), and x the width,
 depth, warmup (as log(1 + warmup/100)) and tokens per step B (a term only for those that vary in the data;
 as log B, or saturating past a critical batch B_c as log(B / (1 + B / B_c)) -- B_c one of ``SAT_GRID``,
-counted as a parameter in the AIC: gradient noise falls as 1/B only up to the critical batch).
+counted as a parameter in the AIC: gradient noise falls as 1/B only up to the critical batch; and its
+limit B_c -> 0, the term 1 - 256 / B, linear in the gradient noise's variance, with no B_c: ``INVERSE``).
 The seed is the noise: the event time of one seed is random given lambda. Steps are grouped in
 ``DELTA``-step intervals (complementary log-log likelihood: P(event in an interval of n steps) = 1 -
 exp(-n lambda)), lr(t) and tau(t) taken at each interval's middle step. Fisher scoring (Newton) with step
@@ -36,7 +37,8 @@ from megapost.utils.lr_schedule import lr_at
 FACTORS = ("width", "depth", "warmup", "tokens_per_step")
 REF = {"width": 64.0, "depth": 4.0, "warmup": 500.0, "tokens_per_step": 256.0}
 TIME_FORMS = ("none", "log1p", "linear")
-SAT_GRID = (512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)  # critical tokens/step of the saturating forms
+SAT_GRID = (128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)  # B_c of the saturating forms
+INVERSE = -1.0  # ``sat`` of the limit B_c -> 0: the tokens term 1 - ref / B (no B_c to choose)
 DELTA = 5
 RIDGE = 1e-3
 
@@ -46,6 +48,8 @@ def factor_term(f: str, v: float, sat: float = 0.0) -> float:
     tokens per step with ``sat`` > 0: log of v / (1 + v / sat) over the same at ref."""
     if f == "warmup":
         return math.log1p(v / 100.0) - math.log1p(REF[f] / 100.0)
+    if f == "tokens_per_step" and sat == INVERSE:
+        return 1.0 - REF[f] / v
     if f == "tokens_per_step" and sat > 0:
         return math.log(v / (1.0 + v / sat)) - math.log(REF[f] / (1.0 + REF[f] / sat))
     return math.log(v / REF[f])
@@ -94,17 +98,25 @@ class HForm:
 
     @property
     def name(self) -> str:
-        tail = f"; tokens/step saturating at {self.sat:,.0f}" if self.sat else ""
+        tail = (f"; tokens/step saturating at {self.sat:,.0f}" if self.sat > 0
+                else "; tokens/step as gradient noise (256 / B)" if self.sat == INVERSE else "")
         return f"time {self.time}; factors {', '.join(self.factors) or 'none'}{tail}"
 
     @property
     def extra_params(self) -> int:
         """Parameters chosen outside the likelihood's Newton fit (the critical batch), for the AIC."""
-        return 1 if self.sat else 0
+        return 1 if self.sat > 0 else 0
 
     def columns(self) -> list[str]:
         return (["const", "log lr"] + ([f"time:{self.time}"] if self.time != "none" else [])
-                + [f"log {f}" for f in self.factors])
+                + [self.term_name(f) for f in self.factors])
+
+    def term_name(self, f: str) -> str:
+        if f == "tokens_per_step" and self.sat == INVERSE:
+            return "1 - 256 / tokens_per_step"
+        if f == "tokens_per_step" and self.sat > 0:
+            return f"log tokens_per_step / (1 + tokens_per_step / {self.sat:.0f})"
+        return f"log {f}"
 
     def design(self, log_lr: np.ndarray, tau: np.ndarray, x: Mapping[str, float]) -> np.ndarray:
         cols = [np.ones_like(log_lr), log_lr]

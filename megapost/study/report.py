@@ -63,7 +63,7 @@ def fit_lines(law: HazardLaw) -> list[str]:
     lines += ["| term | coefficient [95 %] | as lr* exponent (-c / beta) |", "|---|---|---|"]
     beta = b.theta[1]
     for c, v, s in zip(b.form.columns(), b.theta, sd, strict=True):
-        exp = "" if c in ("const", "log lr") or c.startswith("time") else f"{-v / beta:+.2f}"
+        exp = "" if c in ("const", "log lr") or not c.startswith("log") else f"{-v / beta:+.2f}"
         lines.append(f"| {c} | {v:+.2f} [{v - 1.96 * s:+.2f}, {v + 1.96 * s:+.2f}] | {exp} |")
     kinds = Counter(a.kind for a in law.alternatives)
     lines.append("alternatives in the interval: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
