@@ -1,7 +1,7 @@
 """The hazard law's saturating tokens-per-step forms (issue 40): event times drawn step by step from a
 known hazard whose batch effect saturates past a critical batch (or does not), at three batch sizes; the
-fitter's AIC must pick the saturating form near the true critical batch, and keep the plain power law
-when that is the truth."""
+fitter's AIC must pick the saturating form near the true critical batch, keep the plain power law when
+that is the truth, and find the gradient-noise limit (1 - 256 / B) when that is."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import numpy as np
 
 from megapost.study.events import DELAYED, SURVIVED, Event
 from megapost.study.fit import candidate_forms, varying
-from megapost.study.hazard import HazardRun, Schedule, fit
+from megapost.study.hazard import INVERSE, HazardRun, Schedule, fit
 
 B0, BETA, C = 24.9, 8.0, -8.0
 STEPS = 500
 
 
 def _effective(tokens: float, sat: float) -> float:
+    if sat == INVERSE:  # the hazard in the gradient noise: log Beff = 1 - 256 / B
+        return math.exp(1.0 - 256.0 / tokens)
     return tokens / (1.0 + tokens / sat) if sat else tokens
 
 
@@ -62,3 +64,12 @@ def test_a_power_law_batch_effect_is_kept_as_one() -> None:
     assert plain.aic - ranked[0].aic <= 2.0, [(f.form.name, round(f.aic, 1)) for f in ranked]
     small = [f for f in ranked if f.form.sat and f.form.sat <= 1024.0]
     assert all(f.aic - plain.aic > 2.0 for f in small)  # saturation at <= 1,024 is ruled out
+
+
+def test_a_hazard_in_the_gradient_noise_is_found_as_one() -> None:
+    ranked = _ranked(_runs(sat=INVERSE, seed=3))
+    assert ranked[0].form.sat in (INVERSE, 128.0), [(f.form.name, round(f.aic, 1)) for f in ranked]
+    inverse = next(f for f in ranked if f.form.sat == INVERSE)
+    assert inverse.aic - ranked[0].aic <= 2.0
+    plain = next(f for f in ranked if not f.form.sat)
+    assert plain.aic - inverse.aic > 2.0  # the power law in B is not within the interval's forms
