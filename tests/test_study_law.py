@@ -5,6 +5,7 @@ P(collapse) past x10), the sweep's refusal of a pass-through --lr-decay-style, a
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,17 @@ def test_the_shipped_hazard_law_is_the_fit_of_the_shipped_data() -> None:
     assert refit.best.form == shipped.best.form
     assert refit.best.theta == pytest.approx(shipped.best.theta, rel=1e-9, abs=1e-12)
     assert refit.best.events == shipped.best.events and refit.best.runs == shipped.best.runs
+
+
+def test_the_readme_quotes_the_shipped_hazard_laws_paper_lr_star() -> None:
+    """README's sentence 'puts paper-180m's lr* at A [B, C]' is the shipped law's spread at the paper's
+    setting, at the README's 2 significant digits (a refit that moves it fails here until re-quoted)."""
+    from megapost.study.law import load
+    from megapost.study.report import PAPER_X, paper_schedule
+
+    text = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    got = re.search(r"puts paper-180m's lr\* at (\S+) \[(\S+), (\S+)\]", text)
+    assert got, "README no longer quotes the delayed-collapse law's paper-180m lr*"
+    s = load().spread(PAPER_X, paper_schedule(8e-4))
+    for quoted, value in zip(got.groups(), (s.lr_star, *s.interval), strict=True):
+        assert float(quoted.rstrip(";,.")) == pytest.approx(float(f"{value:.2g}")), (quoted, value)
