@@ -136,8 +136,7 @@ class RunSpec:
 
 def synthetic_micro_batch(spec: RunSpec, cfg: ModelConfig, step: int, index: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A standalone micro-batch (for unit tests outside the trainer): tokens, next-token labels, and a
-    loss mask with ~15% zeros. Tokens avoid the top 16 ids (as padding rows of a vocab would be unused)."""
+    """A standalone micro-batch (unit tests outside the trainer): tokens, labels, ~15%-zero loss mask."""
     gen = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 1009 + index)
     seq = torch.randint(0, cfg.vocab_size - 16, (spec.micro_batch, cfg.seq_length + 1), generator=gen)
     mask = (torch.rand(spec.micro_batch, cfg.seq_length, generator=gen) > 0.15).float()
