@@ -50,6 +50,9 @@ def optimizer_state(engine: Any) -> dict[str, Any]:
             if isinstance(value, torch.Tensor):
                 state[f"{key}/{i}"] = value.detach().clone()
     lr = engine.get_lr()[0]
+    dist = getattr(engine, "dist", None)  # the native engine: its weights' gathers run during the next
+    if dist is not None:  # forward; between steps a reader waits for them (docs/multi-gpu.md)
+        dist.finish_param_sync()
     return {"masters": [p.detach().float().clone() for p in params],
             "moments": {k: v for k, v in state.items() if not k.startswith("step/")},
             "step": {k: v for k, v in state.items() if k.startswith("step/")},
