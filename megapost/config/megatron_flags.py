@@ -99,6 +99,10 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, help="layers per recompute segment (uniform)")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", dest="async_tensor_model_parallel_allreduce",
+                   action="store_false", help="TP > 1: all-reduce (SP: reduce-scatter) a column-parallel "
+                   "layer's input gradient before computing its weight gradient, not overlapped with it "
+                   "(the default overlaps them: megapost.parallel.async_linear)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="= --zero-stage 1 (optimizer state sharded over data-parallel ranks)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",

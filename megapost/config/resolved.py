@@ -26,6 +26,7 @@ class ParallelConfig:
     data_parallel_size: int
     distributed_backend: str | None
     distributed_timeout_minutes: float
+    async_tensor_model_parallel_allreduce: bool = True  # --no-async-tensor-model-parallel-allreduce
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,8 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
         data_parallel_size=a.data_parallel_size, distributed_backend=a.distributed_backend,
-        distributed_timeout_minutes=a.distributed_timeout_minutes)
+        distributed_timeout_minutes=a.distributed_timeout_minutes,
+        async_tensor_model_parallel_allreduce=getattr(a, "async_tensor_model_parallel_allreduce", True))
     plugins = {getattr(cls, "name", cls.__name__): plugin_config(cls, a) for cls in plugin_classes}
     return Config(
         model=model, parallel=parallel, data=_data(a), optimizer=_optimizer(a), checkpoint=_checkpoint(a),

@@ -4,7 +4,11 @@ n-1 adds) and one for the stacked dW, whose row blocks are returned as each weig
 no copy). The weights stay separate parameters (checkpoints, resharding, tensor-parallel shards and
 the HF export see the same tensors); the stacked weight is a zero-copy view when they lie back to back
 in memory (DeepSpeed's bf16 optimizer flattens the parameters of a group into one buffer in order),
-else a ``cat`` per call. Not bit-identical to n separate GEMMs (dx sums over all rows at once)."""
+else a ``cat`` per call. Not bit-identical to n separate GEMMs (dx sums over all rows at once).
+
+An input that carries a ``wgrad_sink`` (the tensor-parallel entry of ``megapost.parallel.async_linear``,
+which computes the weight gradients while its input-gradient collective is in flight) and whose sink
+holds these weights gets the output gradient instead of the stacked dW GEMM."""
 
 from __future__ import annotations
 
@@ -47,12 +51,18 @@ class _PackedLinear(torch.autograd.Function):
         w = packed_weight(weights)
         ctx.save_for_backward(x, w)
         ctx.rows = [t.shape[0] for t in weights]
+        sink = getattr(x, "wgrad_sink", None)
+        ctx.sink_indices = sink.indices(weights) if sink is not None else None
+        ctx.sink = sink if ctx.sink_indices is not None else None
         return F.linear(x, w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dx = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        if ctx.sink is not None:
+            ctx.sink.add(ctx.sink_indices, grad)
+            return (dx, *[None] * len(ctx.rows))
         dw = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         return (dx, *dw.split(ctx.rows))
 

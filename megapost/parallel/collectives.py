@@ -94,10 +94,7 @@ def _fallback_or_raise(op: str, group: Any) -> None:
 
 def all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over ``group``; returns a new tensor, ``x`` is untouched."""
-    out = x.contiguous().clone()
-    _record("all_reduce", out)
-    dist.all_reduce(out, op=op, group=group)
-    return out
+    return start_all_reduce(x, group, op).wait()
 
 
 def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -126,6 +123,31 @@ def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``."""
+    return start_reduce_scatter(x, dim, group).wait()
+
+
+class Pending:
+    """A collective in flight (``async_op``): ``wait()`` returns its result. On CUDA, NCCL runs it on
+    its own stream and ``wait`` makes the current stream wait for it; on gloo a background thread."""
+
+    def __init__(self, work: Any, finish: Any) -> None:
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.finish()
+
+
+def start_all_reduce(x: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """``all_reduce`` issued asynchronously (a clone of ``x`` reduced in place; ``x`` is untouched)."""
+    out = x.contiguous().clone()
+    _record("all_reduce", out)
+    return Pending(dist.all_reduce(out, op=op, group=group, async_op=True), lambda: out)
+
+
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> Pending:
+    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``, issued asynchronously (the
+    fallback where the backend lacks a reduce-scatter: an all-reduce, then this rank's slice)."""
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split into {n} equal parts")
@@ -134,10 +156,10 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     if _native("reduce_scatter", group):
         out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            _reduce_scatter_tensor(out, front, group=group)
-            return out.movedim(0, dim).contiguous()
+            work = _reduce_scatter_tensor(out, front, group=group, async_op=True)
+            return Pending(work, lambda: out.movedim(0, dim).contiguous())
         except (RuntimeError, NotImplementedError):
             _fallback_or_raise("reduce_scatter", group)
     summed = front.clone()
-    dist.all_reduce(summed, group=group)
-    return summed.chunk(n)[dist.get_rank(group=group)].movedim(0, dim).contiguous()
+    work = dist.all_reduce(summed, group=group, async_op=True)
+    return Pending(work, lambda: summed.chunk(n)[dist.get_rank(group=group)].movedim(0, dim).contiguous())

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapost.parallel import collectives as C
+from megapost.parallel.async_linear import WeightGradSink, deferred_linear, enter_deferred
 from megapost.parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -91,6 +92,25 @@ def defer_sequence_parallel_reduction(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+def map_column_input(x: torch.Tensor, group: Any, gather_seq: bool, projections: list[Any],
+                     overlap: bool) -> torch.Tensor:
+    """``x`` entering the column-parallel region shared by ``projections`` (ColumnParallelLinear):
+    all-reduce its gradient, or under sequence parallelism all-gather it (reduce-scatter the
+    gradient). With ``overlap`` (and autograd on, TP > 1, every projection able) the mapping's backward
+    also computes the projections' weight gradients while its collective is in flight
+    (megapost.parallel.async_linear); else the plain mapping."""
+    defer = (overlap and torch.is_grad_enabled() and group is not None and C.group_size(group) > 1
+             and all(p.can_defer() for p in projections))
+    for p in projections:
+        p.deferred = None
+    if not defer:
+        return (gather_from_sequence_region if gather_seq else copy_to_tp_region)(x, group)
+    out = enter_deferred(x, group, gather_seq, projections)
+    for p, w in zip(projections, out.wgrad_sink.weights, strict=True):
+        p.deferred = (out.wgrad_sink, w)
+    return out
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A split by output rows: this rank computes y[..., shard].
 
@@ -102,36 +122,54 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, full: nn.Linear, group: Any, input_mapping: str | None = "copy",
-                 gather_output: bool = False, replicas: int = 1) -> None:
+                 gather_output: bool = False, replicas: int = 1, overlap: bool = False) -> None:
         super().__init__()
         if replicas > 1 and gather_output:
             raise ValueError("a replicated ColumnParallelLinear cannot gather its output")
         self.group = group
         self.in_features, self.out_features = full.in_features, full.out_features
+        self.input_mapping = input_mapping
         self.map_input = INPUT_MAPPINGS[input_mapping]
         self.gather_output = gather_output
         self.replicas = replicas
+        self.overlap = overlap  # own input mapping: megapost.parallel.async_linear's backward overlap
         self.weight = shard(full.weight, 0, group, replicas)
         self.bias = shard(full.bias, 0, group, replicas) if full.bias is not None else None
+        self.deferred: tuple[WeightGradSink, torch.Tensor] | None = None  # set by the input's mapping
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight the GEMM multiplies with: this rank's shard, summed over the ranks sharing it
+        in backward when ``replicas`` > 1."""
+        if self.replicas > 1:
+            return share_replicated_slice(self.weight, self.group, self.replicas)
+        return self.weight
+
+    def can_defer(self) -> bool:
+        """Whether the weight gradient may be computed by the input mapping's backward
+        (megapost.parallel.async_linear): no bias, no output gather."""
+        return self.bias is None and not self.gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.map_input is not INPUT_MAPPINGS[None]:
+            x = map_column_input(x, self.group, self.input_mapping == "gather_seq", [self], self.overlap)
+        if self.deferred is not None and getattr(x, "wgrad_sink", None) is self.deferred[0]:
+            return deferred_linear(x, self.deferred[1], self.deferred[0])
         weight, bias = self.weight, self.bias
         if self.replicas > 1:
             weight = share_replicated_slice(weight, self.group, self.replicas)
             bias = None if bias is None else share_replicated_slice(bias, self.group, self.replicas)
-        y = F.linear(self.map_input(x, self.group), weight, bias)
+        y = F.linear(x, weight, bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def packable_weight(self) -> torch.Tensor | None:
         """This rank's weight for a parent that multiplies the input (already mapped by it) with several
         sibling projections in one GEMM (``megapost.model.fusion``): its own heads' rows, so a packed
-        Q/K/V holds this rank's q, k and v. None when this layer maps its own input, gathers its output
-        or has a bias."""
+        Q/K/V holds this rank's q, k and v; the one its input's mapping holds when that mapping computes
+        the weight gradients. None when this layer maps its own input, gathers its output or has a
+        bias."""
         if self.map_input is not INPUT_MAPPINGS[None] or self.gather_output or self.bias is not None:
             return None
-        if self.replicas > 1:
-            return share_replicated_slice(self.weight, self.group, self.replicas)
-        return self.weight
+        return self.deferred[1] if self.deferred is not None else self.effective_weight()
 
     def extra_repr(self) -> str:
         shared = f", shared by {self.replicas} ranks" if self.replicas > 1 else ""

@@ -8,7 +8,10 @@ SwiGLU: W_1, W_3 column-parallel, W_2 row-parallel. The input of each sublayer i
 forward pre-hook on the attention/MLP module, and shared by its column-parallel projections:
 ``copy_to_tp_region``, or under sequence parallelism ``gather_from_sequence_region``, so attention
 sees the full sequence (RoPE and the prefix-averaging intervention need no change). Row-parallel
-outputs are all-reduced, or reduce-scattered back into sequence shards.
+outputs are all-reduced, or reduce-scattered back into sequence shards. With
+``pstate.async_tensor_model_parallel_allreduce`` (the default; Megatron's
+--no-async-tensor-model-parallel-allreduce turns it off) that mapping's backward computes the
+column-parallel weight gradients while its collective is in flight (megapost.parallel.async_linear).
 
 Under sequence parallelism the residual stream, the RMSNorms and the probes between sublayers work on
 [b, s/tp, h]; the embedding output is reduce-scattered into those shards and the head all-gathers its
@@ -20,6 +23,7 @@ gradient: they get the same hook under any tensor parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -29,20 +33,22 @@ from megapost.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    map_column_input,
     mark_sequence_parallel,
 )
 from megapost.parallel.layout import TP_FLAG
-from megapost.parallel.mappings import copy_to_tp_region, gather_from_sequence_region
 from megapost.parallel.state import ParallelState
 
 
-def _map_input_once(module: nn.Module, pstate: ParallelState) -> None:
-    """Apply the TP-region entry mapping to ``module``'s first positional input."""
-    enter = gather_from_sequence_region if pstate.sequence_parallel else copy_to_tp_region
-    group = pstate.tp_group
+def _map_input_once(module: nn.Module, pstate: ParallelState,
+                    projections: Callable[[], list[ColumnParallelLinear]]) -> None:
+    """Apply the TP-region entry mapping to ``module``'s first positional input, shared by its
+    column-parallel ``projections()``."""
+    group, sp = pstate.tp_group, pstate.sequence_parallel
+    overlap = pstate.async_tensor_model_parallel_allreduce
 
     def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (enter(args[0], group), *args[1:])
+        return (map_column_input(args[0], group, sp, projections(), overlap), *args[1:])
 
     module.register_forward_pre_hook(hook)
 
@@ -72,8 +78,8 @@ def parallelize_block(block: TransformerBlock, pstate: ParallelState) -> Transfo
     attn.wo = _row(attn.wo, pstate)
     mlp.w1, mlp.w3 = _column(mlp.w1, pstate), _column(mlp.w3, pstate)
     mlp.w2 = _row(mlp.w2, pstate)
-    _map_input_once(attn, pstate)
-    _map_input_once(mlp, pstate)
+    _map_input_once(attn, pstate, lambda: [attn.wq, attn.wk, attn.wv])
+    _map_input_once(mlp, pstate, lambda: [mlp.w1, mlp.w3])
     for head_norm in (attn.q_norm, attn.k_norm, attn.v_norm):  # one gain over this rank's heads only
         if head_norm is not None:
             mark_sequence_parallel(head_norm.weight, pstate.tp_group)
@@ -99,7 +105,8 @@ def parallelize_head(head: Head, pstate: ParallelState) -> Head:
     if pstate.tp_size == 1 or isinstance(head.lm_head, ColumnParallelLinear):
         return head
     head.lm_head = ColumnParallelLinear(
-        head.lm_head, pstate.tp_group, input_mapping="gather_seq" if pstate.sequence_parallel else "copy")
+        head.lm_head, pstate.tp_group, input_mapping="gather_seq" if pstate.sequence_parallel else "copy",
+        overlap=pstate.async_tensor_model_parallel_allreduce)
     if pstate.sequence_parallel and head.final_norm is not None:
         for param in head.final_norm.parameters():
             mark_sequence_parallel(param, pstate.tp_group)

@@ -26,6 +26,7 @@ class ParallelState:
     pp_group: Any = None
     dp_group: Any = None
     sequence_parallel: bool = False
+    async_tensor_model_parallel_allreduce: bool = True  # megapost.parallel.async_linear (TP > 1)
     topology: Any = None  # deepspeed PipeModelDataParallelTopology when built by initialize_parallel
     grid: Any = None  # deepspeed PipelineParallelGrid that tp/pp/dp_group were taken from
 

@@ -81,6 +81,25 @@ def init_distributed(local_rank: int | None, backend: str | None, timeout_minute
     return device
 
 
+def tp_overlap_env(tp: int, overlap: bool) -> str | None:
+    """On CUDA at TP > 1 with the backward overlap of megapost.parallel.async_linear: set
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where it is unset, before CUDA initialises (one hardware queue keeps
+    kernels in issue order, so the input-gradient collective on NCCL's stream starts before the
+    weight-gradient GEMM fills the GPU: Megatron's requirement); returns the start-up note."""
+    if tp == 1 and not overlap:
+        return "--no-async-tensor-model-parallel-allreduce changes nothing at TP 1 (no TP collectives)"
+    if tp == 1 or not overlap or not torch.cuda.is_available():
+        return None
+    key, value = "CUDA_DEVICE_MAX_CONNECTIONS", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is None and not torch.cuda.is_initialized():
+        os.environ[key] = "1"
+        return f"{key}=1 set: the TP input-gradient collectives start before the weight-gradient GEMMs"
+    if value != "1":
+        return (f"{key}={value or 'unset (CUDA already initialised)'}: the TP input-gradient collectives may "
+                "queue behind the weight-gradient GEMMs they overlap; set it to 1 before the launch")
+    return None
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

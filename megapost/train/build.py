@@ -50,7 +50,7 @@ from megapost.parallel.state import ParallelState
 from megapost.plan import planned_rank_peak
 from megapost.runtime import interrupts
 from megapost.runtime.cpu import bf16_note
-from megapost.runtime.distributed import init_distributed
+from megapost.runtime.distributed import init_distributed, tp_overlap_env
 from megapost.runtime.run_dir import resolve_default_run
 from megapost.train.manual_gc import manual_gc_plugins
 from megapost.train.plugin_services import plugin_contexts
@@ -128,6 +128,8 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     ``megapost.pretrain`` guards the run with; the trainer owns it)."""
     args, model_cfg = prep.args, prep.model
     interrupts.check_master_port()  # right before the process group binds it: after the corpus build
+    cuda_note = tp_overlap_env(args.tensor_model_parallel_size, args.async_tensor_model_parallel_allreduce)
+    args.start_notes += [cuda_note] if cuda_note else []
     device = init_distributed(args.local_rank, args.distributed_backend, args.distributed_timeout_minutes)
     resolve_default_run(args)  # no --run-name: a new directory, named by rank 0 for all ranks
     config = resolve(args, model_cfg, device.type, prep.plugin_classes)  # below: the typed sections
@@ -138,6 +140,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     par = config.parallel
     pstate = initialize_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  par.sequence_parallel)
+    pstate.async_tensor_model_parallel_allreduce = par.async_tensor_model_parallel_allreduce
     data = data or build_data(config.data, config.engine.batch, config.model, pstate, faults)
     torch.manual_seed(config.model.seed)  # and python's and numpy's generators, as Megatron-LM seeds
     random.seed(config.model.seed)  # them: a checkpoint's RNG state is then the same in every run

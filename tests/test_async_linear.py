@@ -1,0 +1,106 @@
+"""The backward overlap of megapost.parallel.async_linear, in one process over a fake two-rank TP group
+whose ranks hold the same numbers (an all-reduce doubles, an all-gather repeats, a reduce-scatter
+doubles this rank's slice): the input-gradient collective is issued before the weight-gradient GEMMs
+and waited for after them, and a transformer block's gradients equal the plain mapping's bit for bit
+(unfused and packed Q/K/V and W_1/W_3, grouped K/V heads shared by two ranks, with and without SP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import tiny_config
+
+from megapost.model import build_block
+from megapost.model.fusion import parse_fusion, set_kernel_fusion
+from megapost.parallel import ParallelState
+from megapost.parallel import async_linear as A
+from megapost.parallel import collectives as C
+from megapost.parallel import layers as L
+from megapost.parallel.parallelize import parallelize_block
+
+
+class _Done:
+    def __init__(self, events: list[str], result: torch.Tensor) -> None:
+        self.events, self.result = events, result
+
+    def wait(self) -> torch.Tensor:
+        self.events.append("wait")
+        return self.result
+
+
+@pytest.fixture
+def fake_tp2(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Two identical TP ranks, this one rank 0; the issue of every collective and every deferred
+    weight-gradient GEMM recorded in the returned list."""
+    events: list[str] = []
+
+    def all_reduce(x: torch.Tensor, group: object, op: object = None) -> _Done:
+        events.append("issue all_reduce")
+        return _Done(events, x.contiguous().clone() * 2)
+
+    def reduce_scatter(x: torch.Tensor, dim: int, group: object) -> _Done:
+        events.append("issue reduce_scatter")
+        return _Done(events, (x * 2).chunk(2, dim)[0].contiguous())
+
+    def gemm(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        events.append("gemm")
+        return real_gemm(grad, x)
+
+    real_gemm = A.weight_grad
+    monkeypatch.setattr(C, "group_size", lambda group: 2)
+    monkeypatch.setattr(C, "start_all_reduce", all_reduce)
+    monkeypatch.setattr(C, "start_reduce_scatter", reduce_scatter)
+    monkeypatch.setattr(C, "all_gather", lambda x, dim, group: torch.cat([x, x], dim).contiguous())
+    monkeypatch.setattr(C, "split", lambda x, dim, group: x.chunk(2, dim)[0].contiguous())
+    monkeypatch.setattr(L, "tp_rank_size", lambda group: (0, 2))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(A, "weight_grad", gemm)
+    return events
+
+
+def _block_grads(overlap: bool, sp: bool, fusion: str, **model: object) -> tuple[dict, torch.Tensor]:
+    """One forward and backward of a parallelized block: its parameters' and the input's gradients."""
+    cfg = tiny_config(**model)
+    pstate = ParallelState(tp_size=2, tp_group=object(), sequence_parallel=sp,
+                           async_tensor_model_parallel_allreduce=overlap)
+    torch.manual_seed(0)
+    block = parallelize_block(build_block(cfg, 1), pstate)
+    set_kernel_fusion(block, parse_fusion(fusion))
+    seq = cfg.seq_length // 2 if sp else cfg.seq_length
+    x = torch.randn(2, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(2, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    (block(x) * g).sum().backward()
+    return {n: p.grad for n, p in block.named_parameters()}, x.grad
+
+
+CASES = [(False, "none", {}), (True, "none", {}), (False, "qkv,w13", {}), (True, "qkv,w13", {}),
+         (False, "none", {"num_query_groups": 1}), (True, "qkv,w13", {"num_query_groups": 1})]
+
+
+@pytest.mark.parametrize(("sp", "fusion", "model"), CASES)
+def test_block_gradients_equal_the_plain_mapping_bit_for_bit(fake_tp2: list[str], sp: bool, fusion: str,
+                                                             model: dict) -> None:
+    plain, plain_dx = _block_grads(False, sp, fusion, **model)
+    assert "gemm" not in fake_tp2
+    fake_tp2.clear()
+    grads, dx = _block_grads(True, sp, fusion, **model)
+    assert fake_tp2.count("gemm") == (2 if "qkv" in fusion else 5)  # the deferred GEMMs ran
+    assert plain.keys() == grads.keys()
+    for name in plain:
+        assert grads[name] is not None and torch.equal(grads[name], plain[name]), name
+    assert torch.equal(dx, plain_dx)
+
+
+@pytest.mark.parametrize(("sp", "fusion"), [(False, "none"), (True, "none"), (True, "qkv,w13")])
+def test_collective_issued_before_the_weight_gemms_and_waited_after(fake_tp2: list[str], sp: bool,
+                                                                     fusion: str) -> None:
+    """In backward each sublayer's entry issues its input-gradient collective, then runs its projections'
+    weight-gradient GEMMs (3 then 2 unfused: Q/K/V, W_1/W_3; 1 each packed), then waits."""
+    _block_grads(True, sp, fusion)
+    issue = "issue reduce_scatter" if sp else "issue all_reduce"
+    entries = [i for i, e in enumerate(fake_tp2) if e == "gemm" and fake_tp2[i - 1] == issue]
+    assert len(entries) == 2, fake_tp2  # the MLP's entry, then attention's (backward order)
+    per_entry = [2, 3] if fusion == "none" else [1, 1]
+    for start, gemms in zip(entries, per_entry, strict=True):
+        assert fake_tp2[start:start + gemms] == ["gemm"] * gemms, fake_tp2
+        assert fake_tp2[start + gemms] == "wait", fake_tp2
