@@ -10,6 +10,12 @@ are not collectives and are not counted).
     OMP_NUM_THREADS=1 nice python benchmarks/dist_opt_bytes.py --after --json after.json     # ~8 min
     python benchmarks/dist_opt_bytes.py --read before.json --read after.json                 # the tables
 
+The sequence-parallel norm gains on DeepSpeed's path, one TP all-reduce per gain per micro-batch (before)
+and once per step in one all-reduce (now, megapost.ds_adapter.partial_sums):
+
+    OMP_NUM_THREADS=1 nice python benchmarks/dist_opt_bytes.py --layouts "TP2+SP x DP2 bf16" \
+        "TP2+SP x DP2 fp32" [--per-micro-batch-gains] --json gains.json                      # ~6 min
+
 Model: tests/comm_count.MODEL (4 x 256, ffn 768, vocab 256, seq 32), micro-batch 1; rank 0's bytes
 (under PP: the first stage, with the embedding). "wire": bytes a rank sends on a ring.
 """
@@ -38,9 +44,18 @@ LAYOUTS = {  # name -> (tp, pp, flags before, flags after or None)
     "DP4 bf16": (1, 1, ["--bf16", "--overlap-grad-reduce"], ["--bf16"]),
     "DP4 fp32": (1, 1, ["--zero-stage", "1", "--overlap-grad-reduce"], []),
     "TP2+SP x DP2 bf16": (2, 1, ["--bf16", "--overlap-grad-reduce", *TP2SP], ["--bf16", *TP2SP]),
+    "TP2+SP x DP2 fp32": (2, 1, ["--zero-stage", "1", *TP2SP], [*TP2SP]),
     "PP2 x DP2 bf16": (1, 2, ["--bf16", "--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"],
                        None),
 }
+
+
+def per_micro_batch_gains_setup() -> None:
+    """``run_ranks`` setup: counted, and DeepSpeed's path with the per-micro-batch gain all-reduces."""
+    import megapost.train.build as build
+
+    counted_native_setup()
+    build.DEFER_SP_GAINS = False
 
 
 def planned(tp: int, pp: int, bf16: bool, zero: int | str, m: int) -> dict[str, float]:
@@ -69,6 +84,8 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--read", action="append", help="print the rows of an earlier --json instead of counting")
     p.add_argument("--after", action="store_true", help="the native engine (--use-distributed-optimizer)")
+    p.add_argument("--per-micro-batch-gains", action="store_true",
+                   help="DeepSpeed's path as before: each SP norm gain all-reduced over TP every micro-batch")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     o = p.parse_args()
     if o.read:
@@ -79,7 +96,8 @@ def main() -> None:
     cases = [(name, m) for name in names for m in MICRO_BATCHES]
     runs = [(m, [*LAYOUTS[name][3], "--use-distributed-optimizer"] if o.after else LAYOUTS[name][2])
             for name, m in cases]
-    rank0 = run_ranks(count_runs, WORLD, runs, setup=counted_native_setup, timeout=3600)[0]
+    setup = per_micro_batch_gains_setup if o.per_micro_batch_gains else counted_native_setup
+    rank0 = run_ranks(count_runs, WORLD, runs, setup=setup, timeout=3600)[0]
     rows = [{"layout": name, "micro_batches": m, "zero_stage": r["zero_stage"], "optimizer": r["optimizer"],
              "by_axis": r["by_axis"], "calls": r["calls"], "loss": r["loss"], "buckets": r["overlap_buckets"]}
             for (name, m), r in zip(cases, rank0, strict=True)]

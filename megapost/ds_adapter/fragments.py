@@ -37,6 +37,14 @@ def grad_fragment(param: nn.Parameter) -> torch.Tensor | None:
     return grad
 
 
+def reduced_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The (writable) view of ``param``'s reduced gradient this rank's optimizer steps from, on any
+    tensor- or data-parallel rank: the bf16 optimizer's or ZeRO 1/2's fragment, else ``param.grad``."""
+    if has_bf16_grad(param) or is_mapped(param):
+        return grad_fragment(param)
+    return param.grad
+
+
 def local_zero3_grad(param: nn.Parameter) -> torch.Tensor | None:
     """ZeRO-3: this rank's partition of ``param``'s gradient."""
     from deepspeed.utils import safe_get_local_grad

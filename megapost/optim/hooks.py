@@ -11,22 +11,34 @@ from typing import Any
 
 from megapost.config.errors import ConfigError
 from megapost.ds_adapter import overlap as ds_overlap
+from megapost.ds_adapter import partial_sums as ds_partial_sums
 from megapost.ds_adapter import selftest, step_hooks
 from megapost.optim.skips import SkipCounter
 
 
 def install(engine: Any, before_step: Callable[[], None], dp_size: int | None = None,
             overlap_bucket: int | None = None, skip_limit: int = 0,
-            fuse_grad_accumulation: bool = True) -> SkipCounter:
+            fuse_grad_accumulation: bool = True, partial_sums: tuple[Any, list] | None = None
+            ) -> SkipCounter:
     """Install the hooks; with ``dp_size`` 1, skip the engine's data-parallel gradient reduction; with
     ``overlap_bucket`` (megapost.optim.grad_reduce.overlap_bucket), overlap the bf16 reduction in
     buckets of at least that many elements. Returns the counter of skipped steps (``skip_limit``:
     --max-consecutive-skipped-iterations; ``fuse_grad_accumulation``: bf16 gradients added into their
-    fp32 buffers without a cast kernel, megapost.ds_adapter.grad_accum). The adapter's
-    self-test runs first (one line if DeepSpeed changed)."""
+    fp32 buffers without a cast kernel, megapost.ds_adapter.grad_accum; ``partial_sums``: (group,
+    parameters) whose gradients are partial sums over that group, summed once per step before
+    ``before_step``, megapost.ds_adapter.partial_sums). The adapter's self-test runs first (one line if
+    DeepSpeed changed)."""
     problem = selftest.run(engine)
     if problem:
         raise ConfigError(problem)
+    if partial_sums is not None:
+        group, params = partial_sums
+        trainer_before_step = before_step
+
+        def before_step() -> None:
+            ds_partial_sums.reduce_once(params, group)
+            trainer_before_step()
+
     skips = SkipCounter(engine.device, skip_limit)
     skips.mode = step_hooks.install(engine, before_step, skips.record, fuse_grad_accumulation)
     skips.skipped_by_deepspeed = lambda: step_hooks.skipped_by_deepspeed(engine)

@@ -46,6 +46,7 @@ from megapost.parallel import (
     make_mpu,
 )
 from megapost.parallel.compile import compile_blocks
+from megapost.parallel.layers import defer_sequence_parallel_reduction
 from megapost.parallel.state import ParallelState
 from megapost.plan import planned_rank_peak
 from megapost.runtime import interrupts
@@ -211,15 +212,20 @@ def _native_engine(config: Config, prep: Prepared, model: torch.nn.Module, loss_
 def _install_hooks(trainer: Trainer, engine: DeepSpeedEngine, config: Config, ds_config: dict[str, Any],
                    fusion: Fusion, faults: FaultInjector) -> None:
     """megapost's hooks on DeepSpeed's engine (megapost.optim.hooks) and a harness's fault hooks."""
-    ds, run = engine.ds, config.runtime
-    skips = optim_hooks.install(ds, trainer.before_optimizer_step, trainer.pstate.dp_size,
+    ds, run, pstate = engine.ds, config.runtime, trainer.pstate
+    defer = pstate.sequence_parallel and DEFER_SP_GAINS  # the gains' partial sums summed once per step
+    deferred = defer_sequence_parallel_reduction(ds.module) if defer else []
+    skips = optim_hooks.install(ds, trainer.before_optimizer_step, pstate.dp_size,
                                 overlap_bucket(ds_config, config.engine),
                                 run.max_consecutive_skipped_iterations,
-                                fuse_grad_accumulation=fusion.on("grad-accum"))
+                                fuse_grad_accumulation=fusion.on("grad-accum"),
+                                partial_sums=(pstate.tp_group, deferred) if deferred else None)
     trainer.logger.skips = skips  # engine.step() returns its device flag (DeepSpeed's own step: its count)
     engine.skip_flag = None if skips.mode == "deepspeed" else skips.last
     faults.install(ds.module, getattr(ds.optimizer, "optimizer", ds.optimizer))  # a harness's hooks, if any
 
+
+DEFER_SP_GAINS = True  # benchmarks and tests: False keeps a TP all-reduce per gain per micro-batch
 
 SAVED_BYTES_PER_PARAMETER = {"adam": 12, "sgd": 8}  # fp32 weight + the optimizer's fp32 state
 
