@@ -163,7 +163,8 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                        reduce_in_bf16=bool(args.grad_reduce_in_bf16 and not args.fp32),
                        checkpoint_num_layers=args.checkpoint_num_layers,
                        micro_batches=[args.micro_batch_size] if "micro_batch_size" in args.explicit else None,
-                       distributed_optimizer=bool(args.use_distributed_optimizer))
+                       distributed_optimizer=bool(args.use_distributed_optimizer),
+                       tp_overlap=getattr(args, "async_tensor_model_parallel_allreduce", True))
     cands = [c for c in cands if _allowed(c.layout, args)]
     if args.use_distributed_optimizer:  # the native engine: PP 1 (megapost.native.build.refusals)
         cands = [c for c in cands if c.layout.pp == 1]

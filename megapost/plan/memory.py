@@ -83,6 +83,7 @@ class Layout:
     sequence_parallel: bool = False
     checkpoint_num_layers: int = 1
     distributed_optimizer: bool = False  # megapost.parallel.dist_optimizer (with zero_stage 1)
+    tp_overlap: bool = True  # megapost.parallel.async_linear (--no-async-tensor-model-parallel-allreduce)
 
     @property
     def gpus(self) -> int:

@@ -60,10 +60,12 @@ def comm_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool,
 def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, *, memory_bytes: float,
                cluster: Cluster | None = None, margin: float = 0.10, clip_grad: float = 1.0,
                micro_batches: list[int] | None = None, checkpoint_num_layers: int = 1,
-               reduce_in_bf16: bool = False, distributed_optimizer: bool = False) -> list[Candidate]:
+               reduce_in_bf16: bool = False, distributed_optimizer: bool = False,
+               tp_overlap: bool = True) -> list[Candidate]:
     """Every layout megapost can run on ``gpus`` GPUs, with its memory and predicted speed; with
     ``distributed_optimizer`` ZeRO-1 at DP > 1 is megapost's distributed optimizer (the native engine of
-    ``--use-distributed-optimizer``, megapost.native; the CLI keeps its layouts at PP 1)."""
+    ``--use-distributed-optimizer``, megapost.native; the CLI keeps its layouts at PP 1); ``tp_overlap``
+    False: --no-async-tensor-model-parallel-allreduce."""
     out: list[Candidate] = []
     cluster = cluster or Cluster()
     usable = memory_bytes * (1 - margin)
@@ -85,7 +87,7 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                         continue  # fp32 PP + clipping needs ZeRO-1 (deepspeed_config_errors)
                     for ckpt in (False, True):
                         lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers,
-                                     distributed_optimizer and zero == 1 and dp > 1)
+                                     distributed_optimizer and zero == 1 and dp > 1, tp_overlap)
                         stages = rank_memory(cfg, lay, prec)
                         peak = max(m.peak for m in stages)
                         comm = comm_parts(cfg, lay, global_batch, prec.bf16, reduce_in_bf16)

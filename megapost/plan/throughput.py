@@ -11,7 +11,10 @@ dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/s
 - communication (megapost.plan.search.comm_parts: bytes per GPU on a ring) at the bandwidth of the
   group's links: NVLink inside a node (``--intra-node-gbs``), the network between nodes
   (``--inter-node-gbs``); a group lies inside a node when its ranks' span does (megapost's rank order:
-  TP fastest, then DP, then PP). TP's all-reduces and PP's sends are on the critical path. The
+  TP fastest, then DP, then PP). TP's collectives and PP's sends are on the critical path, except the
+  column-parallel input-gradient collectives of backward (megapost.parallel.async_linear: Q/K/V's and
+  W_1/W_3's, half of TP's bytes, a quarter under SP), hidden up to the time of those layers' weight-
+  gradient GEMMs, which they overlap (``tp_exposed``). The
   data-parallel reduction is hidden behind backward where the trainer overlaps it (ZeRO-2 and fp32
   ZeRO-1: DeepSpeed's ``overlap_comm``; bf16 ZeRO-1: megapost.ds_adapter.overlap; not under a
   pipeline): only what exceeds the backward it overlaps (every micro-batch's at ZeRO-2, the last
@@ -79,7 +82,7 @@ def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, 
     mfu = micro_batch_mfu(cluster, lay.micro_batch * cfg.seq_length)
     compute = step_flops(cfg, lay, global_batch) / (lay.gpus * cluster.peak_tflops * 1e12 * mfu)
     bubble = compute * (lay.pp - 1) / lay.grad_accum
-    tp = comm["tp"] / _bandwidth(cluster, lay.tp) if lay.tp > 1 else 0.0
+    tp = tp_exposed(cfg, lay, global_batch, cluster, mfu, comm["tp"]) if lay.tp > 1 else 0.0
     pp = comm["pp"] / _bandwidth(cluster, lay.tp * lay.dp * lay.pp) if lay.pp > 1 else 0.0
     dp_bw = _bandwidth(cluster, lay.tp * lay.dp)
     dp = comm["dp"] / dp_bw
@@ -92,6 +95,22 @@ def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, 
         per_reduction = b.gradients / b.reductions / dp_bw
         dp = b.reductions * max(0.0, per_reduction - backward) + b.gather / dp_bw
     return {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+
+
+def tp_exposed(cfg: ModelConfig, lay: Layout, global_batch: int, cluster: Cluster, mfu: float,
+               tp_bytes: float) -> float:
+    """Seconds of TP communication on the critical path: all of it, less (with ``lay.tp_overlap``) the
+    column-parallel input-gradient collectives of backward (half of the bytes; a quarter under SP, whose
+    backward also all-gathers the row-parallel gradients), each hidden up to its weight-gradient GEMMs
+    (Q/K/V and W_1/W_3: 2 h (h + 2 kv + 2 ffn) / tp FLOPs per token and layer)."""
+    seconds = tp_bytes / _bandwidth(cluster, lay.tp)
+    if not lay.tp_overlap:
+        return seconds
+    overlapped = seconds * (0.25 if lay.sequence_parallel else 0.5)
+    kv = cfg.hidden_size * cfg.kv_groups // cfg.num_attention_heads
+    columns = 2 * cfg.hidden_size * (cfg.hidden_size + 2 * kv + 2 * cfg.ffn_hidden_size)
+    gemms = columns * global_batch * cfg.seq_length * cfg.num_layers / lay.gpus  # FLOPs per GPU
+    return seconds - min(overlapped, gemms / (cluster.peak_tflops * 1e12 * mfu))
 
 
 def _dist_optimizer_exposed(cfg: ModelConfig, lay: Layout, bf16: bool, compute: float, dp_bytes: float,
