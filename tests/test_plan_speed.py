@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megapost.model import ModelConfig
-from megapost.plan.memory import Precision
+from megapost.plan.memory import Layout, Precision
 from megapost.plan.search import candidates
 from megapost.plan.throughput import Cluster
 
@@ -76,3 +76,28 @@ def test_tied_layouts_are_said(capsys) -> None:
         capsys.readouterr().out)
     plan_main(["--preset", "tiny-cpu", "--gpus", "1"])  # MFU saturating: only ZeRO-1/2 of mb16 tie (DP1)
     assert "  2 fitting layouts are predicted within 0.5%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_backward_overlap_hides_the_column_gradient_collectives(sp: bool) -> None:
+    """TP 2, one micro-batch of 512 tokens, 4 layers: every TP collective shows without the overlap
+    (--no-async-tensor-model-parallel-allreduce); with it, the column-parallel input-gradient collectives
+    (half of the bytes; a quarter under SP) are hidden up to the weight-gradient GEMMs of Q/K/V and
+    W_1/W_3 (2 h (3 h + 2 ffn) / 2 FLOPs per token and layer on each rank): behind slow links only that
+    GEMM time, behind fast ones all of the overlapped part."""
+    from megapost.plan.search import comm_parts
+    from megapost.plan.throughput import step_parts
+
+    lay = dict(tp=2, pp=1, dp=1, zero_stage=0, micro_batch=4, grad_accum=1, sequence_parallel=sp)
+    mfu = 0.5 * 512 / (512 + 256)
+    gemm_s = 2 * 256 * (3 * 256 + 2 * 768) / 2 * 512 * 4 / (100e12 * mfu)
+    share = 0.25 if sp else 0.5
+    for gbs in (0.001, 100.0):  # links much slower / faster than the GEMMs
+        cluster = Cluster(peak_tflops=100.0, mfu=0.5, intra_node_gbs=gbs)
+        on, off = (Layout(**lay, tp_overlap=o) for o in (True, False))
+        comm = comm_parts(CFG, on, 4, True)
+        tp_on = step_parts(CFG, on, 4, True, cluster, comm)["tp"]
+        tp_off = step_parts(CFG, off, 4, True, cluster, comm)["tp"]
+        assert tp_off == pytest.approx(comm["tp"] / (gbs * 1e9), rel=1e-12)
+        assert tp_off - tp_on == pytest.approx(min(share * tp_off, gemm_s), rel=1e-9)
+    assert share * tp_off < gemm_s < share * comm["tp"] / 1e6  # both regimes were exercised
