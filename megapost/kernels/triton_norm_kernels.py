@@ -1,0 +1,50 @@
+"""The Triton kernels of ``megapost.kernels.triton_norm`` as plain functions (imported, and jitted there,
+only when Triton is used; no ``from __future__ import annotations``: Triton reads the annotations)."""
+
+import triton.language as tl
+
+
+def add_rms_norm_fwd(X, R, W, Y, OUT, RSTD, M, N, eps, scale, HAS_R: tl.constexpr, SCALED: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    at = rows[:, None] * N + cols[None, :]
+    y = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        if SCALED:
+            y = (y * scale).to(X.dtype.element_ty).to(tl.float32)
+        y = (y + tl.load(R + at, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(Y + at, y, mask=mask)
+        y = y.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out = y * rstd[:, None] * w[None, :]
+    tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
+
+
+def add_rms_norm_bwd(Y, W, RSTD, GO, GY, DY, DX, DW, M, N, scale, HAS_GY: tl.constexpr,
+         SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        at = rows[:, None] * N + cols[None, :]
+        rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+        n = tl.load(Y + at, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        go = tl.load(GO + at, mask=mask, other=0.0).to(tl.float32)
+        gn = go * w[None, :]
+        c = tl.sum(gn * n, axis=1) / N
+        dy = ((gn - n * c[:, None]) * rstd[:, None]).to(DY.dtype.element_ty)
+        if HAS_GY:
+            dy = (dy.to(tl.float32) + tl.load(GY + at, mask=mask, other=0.0).to(tl.float32)).to(
+                DY.dtype.element_ty)
+        tl.store(DY + at, dy, mask=mask)
+        if SCALED:
+            tl.store(DX + at, (dy.to(tl.float32) * scale).to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(go * n, axis=0)
+    tl.store(DW + pid * N + cols, dw, mask=cols < N)
