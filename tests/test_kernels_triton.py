@@ -4,9 +4,11 @@ on CPU tensors in Triton's interpreter, against autograd's graph of ``x * scale 
 models; one dispatched op each way; the path chosen in one place.
 
 ``TRITON_INTERPRET=1`` is set per test (the ``interpreter`` fixture, undone after it): Triton reads it
-when a kernel is defined, and triton_norm defines its kernels per state of it. The interpreter casts
+when a kernel is defined, and triton_norm defines its kernels per state of it (and uses none of
+triton.language's own jitted helpers, which are fixed at its import). The interpreter casts
 fp32 to bf16 by truncation (and its "rtne" mode does not carry into the exponent); a GPU rounds to
-nearest even, as torch does, so the fixture gives the interpreter torch's cast for that one conversion."""
+nearest even, as torch does, so the fixture gives the interpreter torch's cast for that one conversion,
+and numpy's sum for the kernels' sums (as the interpreter does for ``tl.sum``; else a Python loop)."""
 
 from __future__ import annotations
 
@@ -25,31 +27,8 @@ from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.model.norm import RMSNorm
 from megapost.utils.op_count import count_ops
 
-
-def _import_interpreted_triton() -> None:
-    """Import triton.language under ``TRITON_INTERPRET=1`` and unset it again: its own jitted helpers
-    (``tl.sum`` ...) are defined at that import and must be the interpreter's; the kernels under test
-    follow the variable per test (``interpreter``)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if sys.platform == "linux":  # a dev dependency there (pyproject.toml); no wheel elsewhere
-            import triton.language  # noqa: F401
-        else:
-            pytest.importorskip("triton.language")
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        raise RuntimeError("triton was imported before tests/test_kernels_triton.py, outside its interpreter")
-
-
-_import_interpreted_triton()
+# a dev dependency on Linux (pyproject.toml); no wheel elsewhere
+triton = __import__("triton") if sys.platform == "linux" else pytest.importorskip("triton")
 
 # fp32: max |fused - unfused| <= 1e-6 * max |unfused| (measured <= 1.7e-7: only the reductions' order
 # differs); bf16: y exactly (the same two roundings), the rest within one bf16 ulp of the largest value,
@@ -75,6 +54,14 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         return convert(data, src, dst, rounding)
 
     monkeypatch.setattr(interp, "_convert_float", rtne)
+    from megapost.kernels import triton_norm_kernels
+
+    reduce = interp.ReduceOps.apply_impl
+
+    def fast_sum(self: interp.ReduceOps, input: list) -> object:  # numpy's sum, as for tl.sum
+        return self.sum(input[0]) if self.combine_fn is triton_norm_kernels._add else reduce(self, input)
+
+    monkeypatch.setattr(interp.ReduceOps, "apply_impl", fast_sum)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 

@@ -1,7 +1,18 @@
 """The Triton kernels of ``megapost.kernels.triton_norm`` as plain functions (imported, and jitted there,
-only when Triton is used; no ``from __future__ import annotations``: Triton reads the annotations)."""
+only when Triton is used; no ``from __future__ import annotations``: Triton reads the annotations).
 
+Sums are ``tl.reduce`` with this module's ``_add`` (not ``tl.sum``), zeros ``tl.full`` (not
+``tl.zeros``): triton.language's jitted helpers are fixed when it is imported, so under
+``TRITON_INTERPRET=1`` set later (a test) they would not run in the interpreter; builtins and ``_add``
+(called through ``.fn``) do."""
+
+import triton
 import triton.language as tl
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 def add_rms_norm_fwd(X, R, W, Y, OUT, RSTD, M, N, eps, scale, HAS_R: tl.constexpr, SCALED: tl.constexpr,
@@ -17,7 +28,7 @@ def add_rms_norm_fwd(X, R, W, Y, OUT, RSTD, M, N, eps, scale, HAS_R: tl.constexp
         y = (y + tl.load(R + at, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         tl.store(Y + at, y, mask=mask)
         y = y.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / N + eps)
+    rstd = 1.0 / tl.sqrt(tl.reduce(y * y, 1, _add) / N + eps)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     out = y * rstd[:, None] * w[None, :]
     tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=mask)
@@ -29,7 +40,7 @@ def add_rms_norm_bwd(Y, W, RSTD, GO, GY, DY, DX, DW, M, N, scale, HAS_GY: tl.con
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dw = tl.full([BLOCK_N], 0.0, tl.float32)
     for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -38,7 +49,7 @@ def add_rms_norm_bwd(Y, W, RSTD, GO, GY, DY, DX, DW, M, N, scale, HAS_GY: tl.con
         n = tl.load(Y + at, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
         go = tl.load(GO + at, mask=mask, other=0.0).to(tl.float32)
         gn = go * w[None, :]
-        c = tl.sum(gn * n, axis=1) / N
+        c = tl.reduce(gn * n, 1, _add) / N
         dy = ((gn - n * c[:, None]) * rstd[:, None]).to(DY.dtype.element_ty)
         if HAS_GY:
             dy = (dy.to(tl.float32) + tl.load(GY + at, mask=mask, other=0.0).to(tl.float32)).to(
@@ -46,5 +57,5 @@ def add_rms_norm_bwd(Y, W, RSTD, GO, GY, DY, DX, DW, M, N, scale, HAS_GY: tl.con
         tl.store(DY + at, dy, mask=mask)
         if SCALED:
             tl.store(DX + at, (dy.to(tl.float32) * scale).to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(go * n, axis=0)
+        dw += tl.reduce(go * n, 0, _add)
     tl.store(DW + pid * N + cols, dw, mask=cols < N)
