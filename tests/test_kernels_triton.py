@@ -125,7 +125,7 @@ def test_a_model_with_the_triton_norm_matches_unfused(interpreter: None, dtype: 
 
 
 def test_one_op_each_way(interpreter: None) -> None:
-    """One op forward, one backward (the kernel, the sum of the dg partials and its cast inside)."""
+    """One op forward, one backward (its two kernels, the gradients and the dg partials' sum, inside)."""
     x, h = (torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     w = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
     fwd = count_ops(lambda: triton_add_rms_norm(x, h, w, 1e-5)[1].sum())

@@ -1,14 +1,15 @@
-"""Residual add + RMSNorm as one Triton kernel each way, registered as two torch ops
-(``megapost::add_rms_norm`` and ``megapost::add_rms_norm_backward``: one op each to dispatch, one
-kernel forward, one kernel and a column sum backward). Where ``megapost.kernels.add_norm`` replaces
-CPU's composite, this is the CUDA path (``norm_path``): torch's and apex's RMSNorm are one kernel each
-way there but leave the add apart.
+"""Residual add + RMSNorm as one Triton kernel forward, registered as torch ops
+(``megapost::add_rms_norm`` and ``megapost::add_rms_norm_backward``: one op each way to dispatch; two
+kernels backward: the gradients, then the gain's from per-program partials). Where
+``megapost.kernels.add_norm`` replaces CPU's composite, this is the CUDA path (``norm_path``): torch's
+and apex's RMSNorm are one kernel each way there but leave the add apart.
 
 Forward per row of [M, N]: y = round(round(a x) + r) in the input dtype (the unfused adds' roundings),
 out = y / sqrt(mean(y^2) + eps) * g in fp32, stored in the input dtype; saves y and 1/rms (fp32).
 Backward: n = y / rms, dy = round((g dout - n mean(g dout n)) / rms) + dy_other, dx = round(a dy); dg
-accumulated in fp32 per program over its rows (grid-strided tiles of rows), the [programs, N]
-partials summed after. Not bit-identical to torch (reduction order; a GPU may contract a x + r).
+accumulated in fp32 per program over its rows (grid-strided tiles of rows), the [programs, N] partials
+summed by a second kernel that stores the gain's dtype. Not bit-identical to torch (reduction order; a
+GPU may contract a x + r).
 
 Triton is optional: ``available()`` says whether it imports; the kernels are built on first use, per
 state of ``TRITON_INTERPRET`` (Triton reads it when a kernel is defined), so a test can run them on
@@ -62,13 +63,14 @@ def norm_note(device: torch.device) -> str:
 
 
 @functools.cache
-def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """(forward, backward) kernels, jitted under the current ``TRITON_INTERPRET`` (the cache key)."""
+def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
+    """(forward, backward, column sum) kernels, jitted under the current ``TRITON_INTERPRET`` (the
+    cache key)."""
     import triton
 
     from megapost.kernels import triton_norm_kernels as k
 
-    return triton.jit(k.add_rms_norm_fwd), triton.jit(k.add_rms_norm_bwd)
+    return triton.jit(k.add_rms_norm_fwd), triton.jit(k.add_rms_norm_bwd), triton.jit(k.column_sum)
 
 
 def _blocks(n: int) -> tuple[int, int]:
@@ -79,11 +81,18 @@ def _blocks(n: int) -> tuple[int, int]:
     return max(1, min(16, 4096 // block_n)), block_n
 
 
-def _programs(tiles: int, device: torch.device) -> int:
-    """Backward programs (each one dg partial): a few per SM on CUDA, 3 in the interpreter."""
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(tiles: int, device: torch.device) -> tuple[int, int]:
+    """(backward programs, each one dg partial; partial rows a column-sum step): a few programs per SM
+    and 32 rows on CUDA; in the interpreter 3 and 2 (both kernels then loop)."""
     if device.type == "cuda":
-        return min(tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tiles, 3)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return min(tiles, 4 * _sms(index)), 32
+    return min(tiles, 3), 2
 
 
 @torch.library.custom_op("megapost::add_rms_norm", mutates_args=())
@@ -96,7 +105,7 @@ def _add_rms_norm_op(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tens
     y = torch.empty_like(x2) if r is not None else x2.new_empty(0)
     out, rstd = torch.empty_like(x2), torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n = _blocks(n)
-    fwd, _ = _kernels(interpreted())
+    fwd = _kernels(interpreted())[0]
     fwd[(-(-m // block_m),)](x2, r.reshape(-1, n).contiguous() if r is not None else x2, weight, y, out, rstd,
                              m, n, eps, scale, HAS_R=r is not None, SCALED=scale != 1.0,
                              BLOCK_M=block_m, BLOCK_N=block_n)
@@ -122,14 +131,16 @@ def _backward_op(y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad
     dy = torch.empty_like(y2)
     dx = torch.empty_like(y2) if scale != 1.0 else y2.new_empty(0)
     block_m, block_n = _blocks(n)
-    programs = _programs(-(-m // block_m), y.device)
+    programs, block_g = _programs(-(-m // block_m), y.device)
     dw = torch.empty(programs, n, dtype=torch.float32, device=y.device)
     go = grad_out.reshape(-1, n).contiguous()
     gy = grad_y.reshape(-1, n).contiguous() if grad_y is not None else go
-    _, bwd = _kernels(interpreted())
+    _, bwd, column_sum = _kernels(interpreted())
     bwd[(programs,)](y2, weight, rstd, go, gy, dy, dx, dw, m, n, scale, HAS_GY=grad_y is not None,
                      SCALED=scale != 1.0, BLOCK_M=block_m, BLOCK_N=block_n)
-    return dy.view(y.shape), (dx.view(y.shape) if scale != 1.0 else dx), dw.sum(0).to(weight.dtype)
+    dweight = torch.empty_like(weight)
+    column_sum[(-(-n // 64),)](dw, dweight, programs, n, BLOCK_G=block_g, BLOCK_N=64)
+    return dy.view(y.shape), (dx.view(y.shape) if scale != 1.0 else dx), dweight
 
 
 @_backward_op.register_fake

@@ -59,3 +59,15 @@ def add_rms_norm_bwd(Y, W, RSTD, GO, GY, DY, DX, DW, M, N, scale, HAS_GY: tl.con
             tl.store(DX + at, (dy.to(tl.float32) * scale).to(DX.dtype.element_ty), mask=mask)
         dw += tl.reduce(go * n, 0, _add)
     tl.store(DW + pid * N + cols, dw, mask=cols < N)
+
+
+def column_sum(P, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[n] = sum over the G rows of P[:, n] (fp32), stored in OUT's dtype: the dg partials' sum and
+    its cast in one kernel."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    for start in range(0, G, BLOCK_G):
+        rows = start + tl.arange(0, BLOCK_G)
+        mask = (rows[:, None] < G) & (cols[None, :] < N)
+        acc += tl.reduce(tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0), 0, _add)
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cols < N)
