@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from test_kernels import _model_step as model_step
 
-from megapost.kernels import norm_path, triton_add_rms_norm, triton_norm
+from megapost.kernels import norm_path, triton_add_rms_norm, triton_common, triton_norm
 from megapost.model import LlamaModel, ModelConfig
 from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.model.norm import RMSNorm
@@ -54,12 +54,12 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         return convert(data, src, dst, rounding)
 
     monkeypatch.setattr(interp, "_convert_float", rtne)
-    from megapost.kernels import triton_norm_kernels
+    from megapost.kernels import triton_kernels
 
     reduce = interp.ReduceOps.apply_impl
 
     def fast_sum(self: interp.ReduceOps, input: list) -> object:  # numpy's sum, as for tl.sum
-        return self.sum(input[0]) if self.combine_fn is triton_norm_kernels._add else reduce(self, input)
+        return self.sum(input[0]) if self.combine_fn is triton_kernels._add else reduce(self, input)
 
     monkeypatch.setattr(interp.ReduceOps, "apply_impl", fast_sum)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -141,7 +141,7 @@ def test_the_path_is_chosen_in_one_place(monkeypatch: pytest.MonkeyPatch) -> Non
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert os.environ.get("TRITON_INTERPRET") is None  # the fixture left nothing on
     assert norm_path(cpu) == "function" and norm_path(cuda) == "triton"
-    monkeypatch.setattr(triton_norm, "available", lambda: None)
+    monkeypatch.setattr(triton_common, "available", lambda: None)
     assert norm_path(cuda) == "torch" and norm_path(cpu) == "function"
     assert "does not import" in triton_norm.norm_note(cuda)
 
@@ -149,7 +149,7 @@ def test_the_path_is_chosen_in_one_place(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_without_triton_the_norm_runs_unfused(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton does not import (here: the interpreter's device without it) RMSNorm adds, then runs
     torch's norm: bit-identical to the unfused graph, no megapost op."""
-    monkeypatch.setattr(triton_norm, "available", lambda: None)
+    monkeypatch.setattr(triton_common, "available", lambda: None)
     norm = RMSNorm(64)
     norm.fusion = parse_fusion("norm")
     x, h = torch.randn(2, 3, 64), torch.randn(2, 3, 64)

@@ -11,32 +11,15 @@ accumulated in fp32 per program over its rows (grid-strided tiles of rows), the 
 summed by a second kernel that stores the gain's dtype. Not bit-identical to torch (reduction order; a
 GPU may contract a x + r).
 
-Triton is optional: ``available()`` says whether it imports; the kernels are built on first use, per
-state of ``TRITON_INTERPRET`` (Triton reads it when a kernel is defined), so a test can run them on
-CPU tensors in Triton's interpreter."""
+Triton is optional (``triton_common``); the kernels' bodies are in ``triton_kernels``."""
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
 
-
-@functools.cache
-def available() -> str | None:
-    """Triton's version when it imports, else None."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - optional; a broken install is "not available"
-        return None
-    return str(triton.__version__)
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from megapost.kernels.triton_common import available, cdiv, interpreted, jitted, programs, runs_on
 
 
 def norm_path(device: torch.device) -> str:
@@ -45,7 +28,7 @@ def norm_path(device: torch.device) -> str:
     "torch" on CUDA without it (the add, then torch's or apex's fused RMSNorm: the unfused path),
     "function" elsewhere (``megapost.kernels.add_norm``, replacing torch's composite)."""
     if device.type == "cuda" or interpreted():
-        return "triton" if available() else "torch"
+        return "triton" if runs_on(device) else "torch"
     return "function"
 
 
@@ -62,37 +45,12 @@ def norm_note(device: torch.device) -> str:
             "(bit-identical to torch's composite)")
 
 
-@functools.cache
-def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
-    """(forward, backward, column sum) kernels, jitted under the current ``TRITON_INTERPRET`` (the
-    cache key)."""
-    import triton
-
-    from megapost.kernels import triton_norm_kernels as k
-
-    return triton.jit(k.add_rms_norm_fwd), triton.jit(k.add_rms_norm_bwd), triton.jit(k.column_sum)
-
-
 def _blocks(n: int) -> tuple[int, int]:
     """(rows, columns) of a program's tile: the row padded to a power of two, 4096 elements a tile."""
     import triton
 
     block_n = triton.next_power_of_2(n)
     return max(1, min(16, 4096 // block_n)), block_n
-
-
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(tiles: int, device: torch.device) -> tuple[int, int]:
-    """(backward programs, each one dg partial; partial rows a column-sum step): a few programs per SM
-    and 32 rows on CUDA; in the interpreter 3 and 2 (both kernels then loop)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return min(tiles, 4 * _sms(index)), 32
-    return min(tiles, 3), 2
 
 
 @torch.library.custom_op("megapost::add_rms_norm", mutates_args=())
@@ -105,11 +63,10 @@ def _add_rms_norm_op(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tens
     y = torch.empty_like(x2) if r is not None else x2.new_empty(0)
     out, rstd = torch.empty_like(x2), torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n = _blocks(n)
-    fwd = _kernels(interpreted())[0]
     # an unused pointer gets a live tensor of the right dtype (never read or written: constexpr branches)
-    fwd[(-(-m // block_m),)](x2, r.reshape(-1, n).contiguous() if r is not None else x2, weight,
-                             y if r is not None else out, out, rstd, m, n, eps, scale, HAS_R=r is not None,
-                             SCALED=scale != 1.0, BLOCK_M=block_m, BLOCK_N=block_n)
+    jitted("add_rms_norm_fwd")[(cdiv(m, block_m),)](
+        x2, r.reshape(-1, n).contiguous() if r is not None else x2, weight, y if r is not None else out, out,
+        rstd, m, n, eps, scale, HAS_R=r is not None, SCALED=scale != 1.0, BLOCK_M=block_m, BLOCK_N=block_n)
     return (y.view(x.shape) if r is not None else y), out.view(x.shape), rstd
 
 
@@ -132,15 +89,16 @@ def _backward_op(y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad
     dy = torch.empty_like(y2)
     dx = torch.empty_like(y2) if scale != 1.0 else y2.new_empty(0)
     block_m, block_n = _blocks(n)
-    programs, block_g = _programs(-(-m // block_m), y.device)
-    dw = torch.empty(programs, n, dtype=torch.float32, device=y.device)
+    grid = programs(cdiv(m, block_m), y.device)
+    dw = torch.empty(grid, n, dtype=torch.float32, device=y.device)
     go = grad_out.reshape(-1, n).contiguous()
     gy = grad_y.reshape(-1, n).contiguous() if grad_y is not None else go
-    _, bwd, column_sum = _kernels(interpreted())
-    bwd[(programs,)](y2, weight, rstd, go, gy, dy, dx if scale != 1.0 else dy, dw, m, n, scale,
-                     HAS_GY=grad_y is not None, SCALED=scale != 1.0, BLOCK_M=block_m, BLOCK_N=block_n)
+    jitted("add_rms_norm_bwd")[(grid,)](
+        y2, weight, rstd, go, gy, dy, dx if scale != 1.0 else dy, dw, m, n, scale, HAS_GY=grad_y is not None,
+        SCALED=scale != 1.0, BLOCK_M=block_m, BLOCK_N=block_n)
     dweight = torch.empty_like(weight)
-    column_sum[(-(-n // 64),)](dw, dweight, programs, n, BLOCK_G=block_g, BLOCK_N=64)
+    # 32 partial rows a step on CUDA, 2 in the interpreter (so that the test's sum loops)
+    jitted("column_sum")[(cdiv(n, 64),)](dw, dweight, grid, n, BLOCK_G=32 if y.is_cuda else 2, BLOCK_N=64)
     return dy.view(y.shape), (dx.view(y.shape) if scale != 1.0 else dx), dweight
 
 

@@ -1,5 +1,6 @@
-"""The Triton kernels of ``megapost.kernels.triton_norm`` as plain functions (imported, and jitted there,
-only when Triton is used; no ``from __future__ import annotations``: Triton reads the annotations).
+"""The Triton kernels of ``megapost.kernels.triton_norm`` and ``triton_rope`` as plain functions
+(imported, and jitted by ``triton_common.jitted``, only when Triton is used; no ``from __future__ import
+annotations``: Triton reads the annotations).
 
 Sums are ``tl.reduce`` with this module's ``_add`` (not ``tl.sum``), zeros ``tl.full`` (not
 ``tl.zeros``): triton.language's jitted helpers are fixed when it is imported, so under
