@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from test_kernels import _model_step as model_step
 
-from megapost.kernels import norm_path, triton_add_rms_norm, triton_common, triton_norm
+from megapost.kernels import norm_path, rope, triton_add_rms_norm, triton_common, triton_rope
 from megapost.model import LlamaModel, ModelConfig
 from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.model.norm import RMSNorm
+from megapost.model.rope import apply_rope_tables, rope_cache, rope_tables
 from megapost.utils.op_count import count_ops
 
 # a dev dependency on Linux (pyproject.toml); no wheel elsewhere
@@ -143,7 +144,7 @@ def test_the_path_is_chosen_in_one_place(monkeypatch: pytest.MonkeyPatch) -> Non
     assert norm_path(cpu) == "function" and norm_path(cuda) == "triton"
     monkeypatch.setattr(triton_common, "available", lambda: None)
     assert norm_path(cuda) == "torch" and norm_path(cpu) == "function"
-    assert "does not import" in triton_norm.norm_note(cuda)
+    assert "does not import" in triton_common.triton_note(cuda, ["norm", "rope"])
 
 
 def test_without_triton_the_norm_runs_unfused(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,3 +168,56 @@ def test_auto_runs_the_triton_norm_only_below_fp32(interpreter: None) -> None:
                               ("auto", torch.bfloat16, 6)]:
         set_kernel_fusion(model.to(dtype), parse_fusion(spec))
         assert count_ops(lambda m=model: m(tokens)).by_name["megapost.add_rms_norm"] == runs, (spec, dtype)
+
+
+def _rope_inputs(layout: str, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(x, cos, signed_sin, grad): "packed": q and k of a packed Q/K/V GEMM's output, [b, s, heads +
+    groups, d] (a strided view), tables [s, 1, d]; "heads": [b, heads, s, d] (a transposed view),
+    tables [s, d]. 3 x 7 x 5 = 105 rows: not a multiple of the row tile."""
+    gen = torch.Generator().manual_seed(dim)
+    b, s, h = 3, 7, 5
+    cos, sin = rope_cache(s, dim, 10000.0, torch.device("cpu"))
+    cos, ssin = rope_tables(cos, sin, dtype)
+    if layout == "packed":
+        qkv = torch.randn(b, s, h + 2, dim, generator=gen).to(dtype)
+        x, _ = qkv.split((h, 2), dim=2)
+        cos, ssin = cos.unsqueeze(1), ssin.unsqueeze(1)
+    else:
+        x = torch.randn(b, s, h, dim, generator=gen).to(dtype).transpose(1, 2)
+    return x, cos, ssin, torch.randn(x.shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["packed", "heads"])
+@pytest.mark.parametrize("dim", [64, 48, 128])
+def test_triton_rope_matches_the_fused_and_unfused_rope(interpreter: None, dtype: torch.dtype, layout: str,
+                                                        dim: int) -> None:
+    """Against megapost's RoPE Function (the path it replaces on CUDA; the same roundings) and autograd's
+    graph of the unfused expression: the rotation and its gradient."""
+    x, cos, ssin, grad = _rope_inputs(layout, dim, dtype)
+    results = []
+    for fn in (triton_rope, rope, apply_rope_tables):
+        xs = x.detach().clone().requires_grad_()
+        y = fn(xs, cos, ssin)
+        y.backward(grad)
+        results.append((y.detach(), xs.grad))
+    (y, dx), (want_y, want_dx), (plain_y, plain_dx) = results
+    assert y.shape == want_y.shape and dx.dtype == want_dx.dtype
+    if dtype == torch.bfloat16:  # the same roundings (fp32 here: CPU's addcmul fuses its multiply-add)
+        assert torch.equal(y, want_y) and torch.equal(dx, want_dx)
+    assert _rel(y, plain_y) <= TOL[dtype] and _rel(dx, plain_dx) <= TOL[dtype]
+    assert _rel(y, want_y) <= TOL[dtype] and _rel(dx, want_dx) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("kw, calls", [({}, 1), ({"qk_norm": True}, 2)])
+def test_a_model_with_the_triton_rope_matches_unfused(interpreter: None, kw: dict, calls: int) -> None:
+    """bf16 under auto: q and k rotated by one call on the packed GEMM's output per layer (two where
+    qk-norm unpacks them), one op each way; logits and every gradient as with the unfused path."""
+    cfg = ModelConfig(**{**_cfg("post").__dict__, **kw})
+    ops = count_ops(lambda: model_step(cfg, "auto", torch.bfloat16))
+    assert ops.by_name["megapost.rope"] == 2 * calls * cfg.num_layers  # forward and backward
+    want, want_g = model_step(cfg, "none", torch.bfloat16)
+    got, got_g = model_step(cfg, "auto", torch.bfloat16)
+    assert _rel(got, want) <= 2e-2 and all(_rel(a, b) <= 2e-2 for a, b in zip(got_g, want_g, strict=True))
+    ops = count_ops(lambda: model_step(cfg, "auto", torch.float32))
+    assert "megapost.rope" not in ops.by_name  # not bit-identical: fp32 keeps the Function

@@ -35,6 +35,19 @@ def runs_on(device: torch.device) -> bool:
     return (device.type == "cuda" or interpreted()) and available() is not None
 
 
+def triton_note(device: torch.device, names: list[str]) -> str | None:
+    """The start-up line of the ``--kernel-fusion`` fusions ``names`` (of "norm", "rope") that have a
+    Triton kernel, on ``device``; None without any."""
+    if not names:
+        return None
+    flag = f"--kernel-fusion {', '.join(names)}"
+    if runs_on(device):
+        return (f"{flag}: Triton kernels on {device.type} (triton {available()}; under auto only when not "
+                "fp32: not bit-identical)")
+    return (f"{flag}: triton does not import, so on {device.type} the residual add stays apart from torch's "
+            "(or apex's) fused RMSNorm and RoPE runs as torch ops")
+
+
 def jitted(name: str) -> Any:
     """The kernel ``triton_kernels.<name>``, jitted under the current ``TRITON_INTERPRET``."""
     return _jitted(name, interpreted())

@@ -72,3 +72,34 @@ def column_sum(P, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
         mask = (rows[:, None] < G) & (cols[None, :] < N)
         acc += tl.reduce(tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0), 0, _add)
     tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cols < N)
+
+
+def rope_rows(X, COS, SSIN, Y, R, S, H, sxb, sxs, sxh, HALF, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Rows (b, s, h) of x [B, S, H, 2 HALF] (strides sxb, sxs, sxh; the last one 1) rotated by the
+    tables [S, 2 HALF] into the contiguous Y. Forward y = x cos + swap(x) ssin, the first product
+    rounded apart (``torch.addcmul(x * cos, ...)``); backward dx = g cos + swap(g ssin), both products
+    rounded apart (``megapost.kernels.rope``'s backward)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < R) & (cols[None, :] < HALF)
+    b = rows // (S * H)
+    s = (rows // H) % S
+    at = (b * sxb + s * sxs + (rows % H) * sxh)[:, None] + cols[None, :]
+    tab = (s * 2 * HALF)[:, None] + cols[None, :]
+    x1 = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + at + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + tab, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SSIN + tab, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SSIN + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = Y.dtype.element_ty
+    if BACKWARD:
+        y1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
+        y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s1).to(dt).to(tl.float32)
+    else:
+        y1 = (x1 * c1).to(dt).to(tl.float32) + x2 * s1
+        y2 = (x2 * c2).to(dt).to(tl.float32) + x1 * s2
+    out = rows[:, None] * 2 * HALF + cols[None, :]
+    tl.store(Y + out, y1.to(dt), mask=mask)
+    tl.store(Y + out + HALF, y2.to(dt), mask=mask)

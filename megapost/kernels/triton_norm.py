@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megapost.kernels.triton_common import available, cdiv, interpreted, jitted, programs, runs_on
+from megapost.kernels.triton_common import cdiv, interpreted, jitted, programs, runs_on
 
 
 def norm_path(device: torch.device) -> str:
@@ -30,19 +30,6 @@ def norm_path(device: torch.device) -> str:
     if device.type == "cuda" or interpreted():
         return "triton" if runs_on(device) else "torch"
     return "function"
-
-
-def norm_note(device: torch.device) -> str:
-    """The start-up line of ``--kernel-fusion`` norm on ``device``."""
-    path = norm_path(device)
-    if path == "triton":
-        return (f"--kernel-fusion norm: the residual add + RMSNorm as one Triton kernel each way on "
-                f"{device.type} (triton {available()}; fp32 only when listed: not bit-identical)")
-    if path == "torch":
-        return ("--kernel-fusion norm: triton does not import, so on cuda the residual add stays apart from "
-                "torch's (or apex's) fused RMSNorm")
-    return (f"--kernel-fusion norm: the residual add + RMSNorm as one autograd Function on {device.type} "
-            "(bit-identical to torch's composite)")
 
 
 def _blocks(n: int) -> tuple[int, int]:

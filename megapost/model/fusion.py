@@ -6,7 +6,8 @@ Q/K/V and W_1/W_3 GEMMs (which change fp32 rounding: one GEMM sums dx over all t
 once) and the chunked head + cross-entropy (``ce``: sums dW over token chunks) only when the
 activations are not fp32, so fp32 runs keep their bits. ``norm`` replaces torch's composite RMSNorm
 (CPU) bit for bit; on CUDA it is a Triton kernel (not bit-identical: under "auto" not in fp32), or
-nothing without Triton (``megapost.kernels.norm_path``). "none" is
+nothing without Triton (``megapost.kernels.norm_path``); ``rope`` on CUDA likewise a Triton kernel
+(``megapost.kernels.rope_path``). "none" is
 the unfused reference; a comma list of ``FUSIONS`` forces exactly those on. Under torch.compile the
 modules take the unfused expressions (Inductor fuses them itself).
 """
