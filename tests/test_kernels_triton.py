@@ -104,6 +104,21 @@ def test_triton_add_rms_norm_matches_the_unfused_path(interpreter: None, dtype: 
         assert _rel(a, b) <= TOL[dtype], (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("add", [True, False])
+def test_triton_add_rms_norm_takes_strided_inputs(interpreter: None, add: bool) -> None:
+    """A transposed input (its rows not contiguous), with and without the add: as on contiguous copies."""
+    gen = torch.Generator().manual_seed(5)
+    x, h = (torch.randn(40, 6, generator=gen).t() for _ in range(2))
+    w, go = torch.randn(40, generator=gen), torch.randn(6, 40, generator=gen)
+    results = []
+    for inputs in ((x, h), (x.contiguous(), h.contiguous())):
+        xs, hs, ws = (t.clone().requires_grad_() for t in (*inputs, w))
+        res = triton_add_rms_norm(xs, hs if add else None, ws, 1e-5)
+        (res[1] if add else res).backward(go)
+        results.append([(res[1] if add else res).detach(), xs.grad, ws.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def _cfg(placement: str) -> ModelConfig:
     return ModelConfig(vocab_size=96, num_layers=3, hidden_size=40, ffn_hidden_size=96, num_attention_heads=4,
                        seq_length=16, norm_position=placement)

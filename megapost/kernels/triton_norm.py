@@ -45,7 +45,7 @@ def _add_rms_norm_op(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tens
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, out, 1/rms per row): y = ``scale`` x + r ([0] without r), out = rmsnorm(y) * weight."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
+    x2, weight = x.reshape(-1, n).contiguous(), weight.contiguous()
     m = x2.shape[0]
     y = torch.empty_like(x2) if r is not None else x2.new_empty(0)
     out, rstd = torch.empty_like(x2), torch.empty(m, dtype=torch.float32, device=x.device)
@@ -71,7 +71,7 @@ def _backward_op(y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dy, dx = round(``scale`` dy) ([0] when ``scale`` is 1), dweight)."""
     n = y.shape[-1]
-    y2 = y.reshape(-1, n)
+    y2, weight = y.reshape(-1, n).contiguous(), weight.contiguous()  # y: x itself when there was no add
     m = y2.shape[0]
     dy = torch.empty_like(y2)
     dx = torch.empty_like(y2) if scale != 1.0 else y2.new_empty(0)
