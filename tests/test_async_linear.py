@@ -113,17 +113,20 @@ OFF = "--no-async-tensor-model-parallel-allreduce"
 def test_trainer_tp2_sp_dp2_equals_the_blocking_path_bit_for_bit() -> None:
     """The real trainer at TP 2 + SP x DP 2 (2 micro-batches per step): overlap on (the default) against
     --no-async-tensor-model-parallel-allreduce, losses, gradient norms and final weights bit for bit —
-    DeepSpeed's ZeRO-1 in fp32 (with and without activation recomputation), bf16 (packed Q/K/V and W_1/W_3,
-    the fp32 gradient-accumulation fusion) and the native engine (--use-distributed-optimizer)."""
+    DeepSpeed's ZeRO-1 in fp32 (with and without activation recomputation, and without SP), bf16 (packed
+    Q/K/V and W_1/W_3, the fp32 gradient-accumulation fusion) and the native engine
+    (--use-distributed-optimizer)."""
     from dist_utils import RunSpec, run_layouts
     from native_train import NATIVE, params_equal
 
     def spec(*flags: str, **kw: object) -> RunSpec:
-        return RunSpec(tp=2, sp=True, steps=4, global_batch=8, micro_batch=2, flags=flags, **kw)  # type: ignore[arg-type]
+        return RunSpec(**{"tp": 2, "sp": True, "steps": 4, "global_batch": 8, "micro_batch": 2,
+                          "flags": flags, **kw})  # type: ignore[arg-type]
 
     variants = [(), ("--bf16",), NATIVE]
     specs = [spec(*v, *off) for v in variants for off in ((), (OFF,))]
     specs += [spec(*off, checkpoint_activations=True) for off in ((), (OFF,))]
+    specs += [spec(*off, sp=False) for off in ((), (OFF,))]  # TP 2 without SP: the all-reduce
     results = [ranks[0] for ranks in run_layouts(specs, dp=2)]
     for on, off in zip(results[::2], results[1::2], strict=True):
         print(on["spec"]["flags"], on["losses"])
