@@ -96,13 +96,14 @@ def map_column_input(x: torch.Tensor, group: Any, gather_seq: bool, projections:
                      overlap: bool) -> torch.Tensor:
     """``x`` entering the column-parallel region shared by ``projections`` (ColumnParallelLinear):
     all-reduce its gradient, or under sequence parallelism all-gather it (reduce-scatter the
-    gradient). With ``overlap`` (and autograd on, TP > 1, every projection able) the mapping's backward
-    also computes the projections' weight gradients while its collective is in flight
+    gradient). With ``overlap`` (and autograd on, not compiling, TP > 1, every projection able) the
+    mapping's backward also computes the projections' weight gradients while its collective is in flight
     (megapost.parallel.async_linear); else the plain mapping."""
-    defer = (overlap and torch.is_grad_enabled() and group is not None and C.group_size(group) > 1
-             and all(p.can_defer() for p in projections))
+    defer = (overlap and torch.is_grad_enabled() and not torch.compiler.is_compiling() and group is not None
+             and C.group_size(group) > 1 and all(p.can_defer() for p in projections))
     for p in projections:
-        p.deferred = None
+        if p.deferred is not None:  # a previous forward's (never set while compiling)
+            p.deferred = None
     if not defer:
         return (gather_from_sequence_region if gather_seq else copy_to_tp_region)(x, group)
     out = enter_deferred(x, group, gather_seq, projections)
