@@ -6,6 +6,8 @@ and waited for after them, and a transformer block's gradients equal the plain m
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dist_utils import tiny_config
@@ -133,3 +135,24 @@ def test_trainer_tp2_sp_dp2_equals_the_blocking_path_bit_for_bit() -> None:
         assert on["losses"] == off["losses"] and on["grad_norms"] == off["grad_norms"]
         assert params_equal(on["params"], off["params"])
     assert results[0]["losses"] != results[2]["losses"]  # bf16 ran in bf16
+
+
+def test_cuda_connections_set_at_start_up_where_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA at TP > 1 with the overlap: CUDA_DEVICE_MAX_CONNECTIONS=1 set before CUDA initialises where
+    unset, another value kept with a line saying so; nothing at TP 1 or with the overlap off; the flag
+    at TP 1 is a note."""
+    from megapost.runtime.distributed import tp_overlap_env
+
+    key = "CUDA_DEVICE_MAX_CONNECTIONS"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv(key, "0")  # recorded, so the teardown restores the variable as it was
+    monkeypatch.delenv(key)
+    assert tp_overlap_env(1, True) is None and tp_overlap_env(2, False) is None and key not in os.environ
+    assert "changes nothing at TP 1" in tp_overlap_env(1, False)
+    assert "=1 set" in tp_overlap_env(2, True) and os.environ[key] == "1"
+    assert tp_overlap_env(2, True) is None  # already 1
+    monkeypatch.setenv(key, "8")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in tp_overlap_env(4, True) and os.environ[key] == "8"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tp_overlap_env(2, True) is None  # CPU ranks: nothing to order
