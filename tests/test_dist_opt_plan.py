@@ -81,7 +81,8 @@ def test_cli_prices_the_flag_as_the_native_engine(capsys) -> None:
 
 def test_interleaved_schedule_priced_bubble_and_sends() -> None:
     """llama-7b-shaped (``CFG``), TP 1 PP 4 DP 2, 8 micro-batches: v = 2 virtual stages per rank against
-    1F1B — the bubble is compute x (pp - 1) / (m v) = compute x 3/16 (1F1B: 3/8), the pipeline's bytes twice 1F1B's (every
+    1F1B — the bubble is compute x (pp - 1) / (m v) = compute x 3/16 (1F1B: 3/8), the pipeline's bytes
+    twice 1F1B's (every
     chunk boundary crosses ranks: 2 x 2 x tokens x h x 2 B per rank, computed here), the compute the
     same, the first stage's activations more (1 + 3/8 of the micro-batches in flight)."""
     from megapost.plan.memory import rank_memory

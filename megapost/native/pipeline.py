@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from megapost.model import Embedding, Head, ModelConfig
 from megapost.model.llama import build_block
@@ -121,10 +121,13 @@ def pack_target(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 def make_schedule(stages: list[PipelineStage], micro_batches: int, loss: Callable[..., torch.Tensor],
                   scale_grads: bool = True) -> Any:
-    """``ScheduleInterleaved1F1B`` over several stages of this rank, ``Schedule1F1B`` over one."""
+    """``ScheduleInterleaved1F1B`` over several stages of this rank, ``Schedule1F1B`` over one; with
+    fewer micro-batches than stages (torch's 1F1B refuses them) ``ScheduleGPipe``: all forwards, then all
+    backwards (what 1F1B does then anyway, each chunk's gradients added in the same order)."""
     if len(stages) > 1:
         return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss, scale_grads=scale_grads)
-    return Schedule1F1B(stages[0], micro_batches, loss_fn=loss, scale_grads=scale_grads)
+    single = Schedule1F1B if micro_batches >= stages[0].num_stages else ScheduleGPipe
+    return single(stages[0], micro_batches, loss_fn=loss, scale_grads=scale_grads)
 
 
 def build_schedule(model: nn.Module, pp: int, virtual: int, rank: int, group: Any, device: torch.device,
