@@ -42,10 +42,10 @@ NATIVE = ("--use-distributed-optimizer",)
 VIRTUAL = ("--num-layers-per-virtual-pipeline-stage", "1")  # 4 layers on PP 2: 2 chunks per rank
 
 
-def _spec(pp: int, *flags: str, native: bool = True, **kw: object) -> object:
+def _spec(pp: int, *flags: str, native: bool = True, global_batch: int = 8, **kw: object) -> object:
     from dist_utils import RunSpec
 
-    return RunSpec(steps=4, global_batch=8, micro_batch=2, pp=pp,  # type: ignore[arg-type]
+    return RunSpec(steps=4, global_batch=global_batch, micro_batch=2, pp=pp,  # type: ignore[arg-type]
                    flags=(*(NATIVE if native else ()), *flags), **kw)
 
 
@@ -53,21 +53,28 @@ def _spec(pp: int, *flags: str, native: bool = True, **kw: object) -> object:
 def test_pp2_equals_dp1_and_interleaved_equals_1f1b_in_the_trainer() -> None:
     """PP 2 on the native engine, 4 micro-batches of the tiny model (fp32, clip 1), through
     ``build(prepare(argv))``: 1F1B and the interleaved schedule (2 virtual stages per rank) against the
-    native engine at DP 1 and DeepSpeed's ZeRO-0 at DP 1 — losses and final weights **bit for bit**:
+    native engine at DP 1 and DeepSpeed's ZeRO-0 at DP 1 — losses and final weights **bit for bit**
+    (and at one micro-batch per step, and in bf16, against the native DP 1 of the same, losses):
     every chunk adds the same micro-batches' gradients in the same order (each scaled by 1/4, exact), the
     norm is a sum over PP ranks of fp64 parts (another order, asserted on the losses only through the clip
     coefficient, which equals DP 1's here)."""
     from dist_utils import run_layouts
     from native_train import params_equal
 
-    pp = run_layouts([_spec(2), _spec(2, *VIRTUAL)], dp=1)
+    pp = run_layouts([_spec(2), _spec(2, *VIRTUAL), _spec(2, global_batch=2), _spec(2, "--bf16")], dp=1)
     one, inter = pp[0][-1], pp[1][-1]  # the last pipeline rank holds the loss; rank 0 the full weights
-    native, ds = (r[0] for r in run_layouts([_spec(1), _spec(1, "--zero-stage", "0", native=False)], dp=1))
+    native, ds, single, bf16 = (r[0] for r in run_layouts(
+        [_spec(1), _spec(1, "--zero-stage", "0", native=False), _spec(1, global_batch=2), _spec(1, "--bf16")],
+        dp=1))
     print("PP2 1F1B", one["losses"], "\nPP2 interleaved", inter["losses"], "\nDP1", native["losses"],
           "\nDeepSpeed DP1", ds["losses"])
     assert [r["local_layers"] for r in pp[0]] == [2, 2] and [r["local_layers"] for r in pp[1]] == [2, 2]
     assert one["losses"] == native["losses"] == ds["losses"]
     assert inter["losses"] == one["losses"]
+    print("PP2 one micro-batch", pp[2][-1]["losses"], single["losses"], "\nbf16", pp[3][-1]["losses"],
+          bf16["losses"])
+    assert pp[2][-1]["losses"] == single["losses"]  # fewer micro-batches than stages: GPipe's order
+    assert pp[3][-1]["losses"] == bf16["losses"] != native["losses"]
     assert params_equal(pp[0][0]["params"], native["params"]) and params_equal(pp[1][0]["params"],
                                                                                 native["params"])
 
