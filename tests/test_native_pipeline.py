@@ -54,14 +54,16 @@ def test_pp2_equals_dp1_and_interleaved_equals_1f1b_in_the_trainer() -> None:
     """PP 2 on the native engine, 4 micro-batches of the tiny model (fp32, clip 1), through
     ``build(prepare(argv))``: 1F1B and the interleaved schedule (2 virtual stages per rank) against the
     native engine at DP 1 and DeepSpeed's ZeRO-0 at DP 1 — losses and final weights **bit for bit**
-    (and at one micro-batch per step, and in bf16, against the native DP 1 of the same, losses):
+    (and at one micro-batch per step, in bf16, and interleaved with --checkpoint-activations, against the
+    native DP 1 of the same, losses):
     every chunk adds the same micro-batches' gradients in the same order (each scaled by 1/4, exact), the
     norm is a sum over PP ranks of fp64 parts (another order, asserted on the losses only through the clip
     coefficient, which equals DP 1's here)."""
     from dist_utils import run_layouts
     from native_train import params_equal
 
-    pp = run_layouts([_spec(2), _spec(2, *VIRTUAL), _spec(2, global_batch=2), _spec(2, "--bf16")], dp=1)
+    pp = run_layouts([_spec(2), _spec(2, *VIRTUAL), _spec(2, global_batch=2), _spec(2, "--bf16"),
+                      _spec(2, *VIRTUAL, checkpoint_activations=True)], dp=1)
     one, inter = pp[0][-1], pp[1][-1]  # the last pipeline rank holds the loss; rank 0 the full weights
     native, ds, single, bf16 = (r[0] for r in run_layouts(
         [_spec(1), _spec(1, "--zero-stage", "0", native=False), _spec(1, global_batch=2), _spec(1, "--bf16")],
@@ -75,6 +77,7 @@ def test_pp2_equals_dp1_and_interleaved_equals_1f1b_in_the_trainer() -> None:
           bf16["losses"])
     assert pp[2][-1]["losses"] == single["losses"]  # fewer micro-batches than stages: GPipe's order
     assert pp[3][-1]["losses"] == bf16["losses"] != native["losses"]
+    assert pp[4][-1]["losses"] == native["losses"]  # each chunk's blocks recomputed in backward: exact
     assert params_equal(pp[0][0]["params"], native["params"]) and params_equal(pp[1][0]["params"],
                                                                                 native["params"])
 
