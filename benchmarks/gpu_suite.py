@@ -129,12 +129,22 @@ def _extra(r: dict[str, Any]) -> str:
         extra.append(f"auto/none tokens/s {r['auto_over_none']:.3f}")
     if r.get("head_chunked_over_unfused") is not None:
         extra.append(f"head peak bytes chunked/unfused {r['head_chunked_over_unfused']:.3f}")
+    if r.get("triton_op") is not None:
+        extra.append(_triton_line(r))
     if r.get("real_over_bench") is not None:
         extra.append(f"real/bench tokens/s {r['real_over_bench']:.3f}")
     if "host_syncs" in r:
         extra.append(f"host syncs {r['host_syncs']['counted']} (cuda warnings "
                      f"{r['host_syncs']['cuda_sync_warnings']})")
     return "; ".join(extra)
+
+
+def _triton_line(r: dict[str, Any]) -> str:
+    parts = [f"{x['path']} {x['us_per_call']:.0f} us, {x['kernels_per_call'] or x['ops_per_call']} "
+             f"{'kernels' if x['kernels_per_call'] else 'ops'}" if "us_per_call" in x
+             else f"{x['path']} {x.get('skipped') or x.get('error')}" for x in r["triton_op"]["rows"]]
+    ratio = r.get("triton_over_replaced")
+    return "; ".join(parts) + (f"; triton/replaced time {ratio:.3f}" if ratio is not None else "")
 
 
 def _save_line(r: dict[str, Any]) -> str:
@@ -204,6 +214,8 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
             out.append((f"paper-180m --kernel-fusion none {micro}", 50,
                         lambda shape=shape: measure(shape, ["--kernel-fusion", "none"], o)))
             out.append(("head + loss memory, unfused vs chunked", 30, lambda: head_memory(o)))
+            out.append(("add + RMSNorm, triton vs torch", 20, lambda: triton_op("norm", o)))
+            out.append(("RoPE, triton vs torch ops", 20, lambda: triton_op("rope", o)))
         out.append((f"paper-180m --compile {micro}", 90, no_compile or (
             lambda shape=shape: measure(shape, ["--compile"], o))))
         out.append((f"paper-180m graphs {micro}", 100, no_graphs or (
@@ -247,6 +259,29 @@ def head_memory(o: argparse.Namespace) -> dict[str, Any]:
     unfused, chunked = (next(r for r in rows if r["case"] == c) for c in ("unfused", "chunked"))
     return {"head_memory": rows, "head_chunked_over_unfused": chunked["peak_tensor_bytes"]
             / unfused["peak_tensor_bytes"]}
+
+
+def triton_op(op: str, o: argparse.Namespace) -> dict[str, Any]:
+    """A Triton kernel against the path it replaces, forward + backward at the paper's shape, bf16, each
+    path in a fresh process (benchmarks/triton_ops.py ``--op`` norm: one Post-Norm add + RMSNorm against
+    the add + torch's fused RMSNorm; rope: the packed q, k against megapost's RoPE Function and the
+    unfused expression; tiny, Triton in its CPU interpreter, in the dry run)."""
+    import json
+    import subprocess
+    import tempfile
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_ops.py")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = {"norm": "2,64,96", "rope": "2,16,4,64"}[op]
+    shape = ["--shape", tiny, "--iters", "2", "--warmup", "1"] if o.dry_run else []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "op.json")
+        subprocess.run([sys.executable, script, "--op", op, "--device", device, "--json", path, *shape],
+                       check=True, capture_output=True, timeout=o.case_timeout)
+        with open(path) as f:
+            result = json.load(f)
+    base = "torch" if op == "norm" else "function"  # the path Triton replaces on CUDA
+    return {"triton_op": result, "triton_over_replaced": result.get(f"triton_over_{base}_time")}
 
 
 def derive(rows: list[dict[str, Any]]) -> None:

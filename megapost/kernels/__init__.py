@@ -1,8 +1,9 @@
 """Fused training kernels for the model: fewer, bigger ops per layer (one GEMM for several
 projections, RoPE, SwiGLU and the residual add + RMSNorm as autograd Functions with hand-written
-backwards) and the LM head + cross-entropy chunked over tokens (no full logits). Plain torch ops only,
-no torch.compile; each is checked against the unfused path in tests/test_kernels*.py. Which ones run
-is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
+backwards) and the LM head + cross-entropy chunked over tokens (no full logits). Plain torch ops, no
+torch.compile; on CUDA the residual add + RMSNorm and RoPE are Triton kernels when Triton imports
+(``triton_norm``, ``triton_rope``). Each is checked against the unfused path in tests/test_kernels*.py.
+Which ones run is chosen per module by ``megapost.model.fusion`` (``--kernel-fusion``).
 
 Imports nothing of megapost but utils (pyproject.toml's contracts)."""
 
@@ -11,6 +12,9 @@ from megapost.kernels.linear import packed_linear, packed_weight
 from megapost.kernels.linear_ce import linear_cross_entropy
 from megapost.kernels.rope import rope
 from megapost.kernels.swiglu import swiglu_packed
+from megapost.kernels.triton_common import triton_note
+from megapost.kernels.triton_norm import norm_path, triton_add_rms_norm
+from megapost.kernels.triton_rope import rope_path, triton_rope
 
-__all__ = ["add_rms_norm", "linear_cross_entropy", "packed_linear", "packed_weight", "rms_norm", "rope",
-           "swiglu_packed"]
+__all__ = ["add_rms_norm", "linear_cross_entropy", "norm_path", "packed_linear", "packed_weight", "rms_norm",
+           "rope", "rope_path", "swiglu_packed", "triton_add_rms_norm", "triton_note", "triton_rope"]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapost.kernels import packed_linear, rope
+from megapost.kernels import packed_linear, rope, rope_path, triton_rope
 from megapost.model.config import ModelConfig
 from megapost.model.fusion import Fusion, packable_weights
 from megapost.model.norm import RMSNorm
@@ -97,9 +97,11 @@ class Attention(nn.Module):
         cos, signed_sin = self._rope_tables(q.shape[2], q.device, q.dtype)
         if torch.compiler.is_compiling() or not self.fusion.on("rope", q.dtype):
             return apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
+        triton = rope_path(q.device) == "triton" and self.fusion.on("rope", q.dtype, exact=False)
+        fused = triton_rope if triton else rope
         if qk is None:
-            return rope(q, cos, signed_sin), rope(k, cos, signed_sin)
-        qk = rope(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))  # [b, s, heads + groups, d_h]
+            return fused(q, cos, signed_sin), fused(k, cos, signed_sin)
+        qk = fused(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))  # [b, s, heads + groups, d_h]
         q, k = qk.split((q.shape[1], k.shape[1]), dim=2)  # split, not slices: one cat in backward
         return q.transpose(1, 2), k.transpose(1, 2)
 

@@ -4,8 +4,10 @@
 SwiGLU gate, the fp32 gradient accumulation, the residual add + RMSNorm) everywhere, and the packed
 Q/K/V and W_1/W_3 GEMMs (which change fp32 rounding: one GEMM sums dx over all the projections' rows at
 once) and the chunked head + cross-entropy (``ce``: sums dW over token chunks) only when the
-activations are not fp32, so fp32 runs keep their bits. ``norm`` acts where RMSNorm is torch's
-composite (CPU); on CUDA torch's fused kernel (or apex's) already is one kernel each way. "none" is
+activations are not fp32, so fp32 runs keep their bits. ``norm`` replaces torch's composite RMSNorm
+(CPU) bit for bit; on CUDA it is a Triton kernel (not bit-identical: under "auto" not in fp32), or
+nothing without Triton (``megapost.kernels.norm_path``); ``rope`` on CUDA likewise a Triton kernel
+(``megapost.kernels.rope_path``). "none" is
 the unfused reference; a comma list of ``FUSIONS`` forces exactly those on. Under torch.compile the
 modules take the unfused expressions (Inductor fuses them itself).
 """
@@ -27,11 +29,13 @@ class Fusion:
 
     names: frozenset[str] | None = None
 
-    def on(self, name: str, dtype: torch.dtype | None = None) -> bool:
-        """Whether fusion ``name`` runs for activations of ``dtype``."""
+    def on(self, name: str, dtype: torch.dtype | None = None, exact: bool | None = None) -> bool:
+        """Whether fusion ``name`` runs for activations of ``dtype``; ``exact`` False: this
+        implementation of it is not bit-identical (under "auto" then not in fp32)."""
         if self.names is not None:
             return name in self.names
-        return name in EXACT_IN_FP32 or (dtype is not None and dtype != torch.float32)
+        exact = name in EXACT_IN_FP32 if exact is None else exact
+        return exact or (dtype is not None and dtype != torch.float32)
 
     def __str__(self) -> str:
         return "auto" if self.names is None else ",".join(sorted(self.names)) or "none"

@@ -1,6 +1,7 @@
-"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm; on CPU,
-where F.rms_norm is a composite, ``megapost.kernels.add_rms_norm`` under ``--kernel-fusion`` norm), its
-residual add fused in (``RMSNorm(x, h)``), and Dynamic Tanh, the norm-free replacement of the ``dyt``
+"""RMSNorm with a learned gain (apex's fused kernel when importable, else torch's F.rms_norm; under
+``--kernel-fusion`` norm on CPU, where F.rms_norm is a composite, ``megapost.kernels.add_rms_norm``, and
+on CUDA the add + norm as one Triton kernel: ``megapost.kernels.norm_path``), its residual add fused in
+(``RMSNorm(x, h)``), and Dynamic Tanh, the norm-free replacement of the ``dyt``
 placement."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapost.kernels import add_rms_norm, rms_norm
+from megapost.kernels import add_rms_norm, norm_path, rms_norm, triton_add_rms_norm
 from megapost.model.fusion import Fusion
 
 try:  # optional fused kernel: usable only when its CUDA extension loads (a Python-only apex install
@@ -33,10 +34,15 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         self.weight.fill_(1.0)
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        """The fused Function replaces torch's composite (non-CUDA) kernel, in eager mode."""
-        return (x.device.type != "cuda" and self.fusion.on("norm", x.dtype)
-                and not torch.compiler.is_compiling())
+    def _fused(self, x: torch.Tensor) -> str | None:
+        """Which fused path runs, in eager mode: "function" (replacing torch's composite, bit-identical),
+        "triton" (the add + norm in one kernel, not bit-identical) or None (``norm_path``)."""
+        if torch.compiler.is_compiling():
+            return None
+        path = norm_path(x.device)
+        if path == "torch" or not self.fusion.on("norm", x.dtype, exact=path == "function"):
+            return None
+        return path
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
                 scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -44,15 +50,18 @@ class RMSNorm(nn.Module):
         one fused Function where ``_fused`` (a module call either way: hooks on the norm run)."""
         if h is None:
             return self._norm(x)
-        if self._fused(x):
-            return add_rms_norm(x, h, self.weight, self.eps, scale)
+        path = self._fused(x)
+        if path is not None:
+            fused = triton_add_rms_norm if path == "triton" else add_rms_norm
+            return fused(x, h, self.weight, self.eps, scale)
         y = x + h if scale == 1.0 else x * scale + h
         return y, self._norm(y)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # alone not in fp32: where x has other readers autograd adds their gradients to the norm's
-        # three terms one by one, the Function to their sum (in bf16 autograd also sums them first)
-        if self._fused(x) and x.dtype != torch.float32:
+        # three terms one by one, the Function to their sum (in bf16 autograd also sums them first);
+        # on CUDA torch's (apex's) kernel: a norm alone is one kernel each way there
+        if self._fused(x) == "function" and x.dtype != torch.float32:
             return rms_norm(x, self.weight, self.eps)
         if _ApexRMSNorm is not None and x.is_cuda:
             from apex.normalization.fused_layer_norm import fused_rms_norm_affine  # type: ignore

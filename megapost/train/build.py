@@ -25,6 +25,7 @@ from megapost.config.resolved import BatchConfig, Config, DataConfig, OptimizerC
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
+from megapost.kernels import triton_note
 from megapost.metrics.monitor import Monitor
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
@@ -155,6 +156,9 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
             and (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1)):
         print("--kernel-fusion ce: the unfused head and loss under tensor or pipeline parallelism (the "
               "chunked head + cross-entropy runs at TP 1, PP 1; docs/kernels.md)")
+    note = triton_note(device, [n for n in ("norm", "rope") if fusion.on(n)])
+    if device.type != "cpu" and note and pstate.is_logging_rank:  # the paths chosen there
+        print(note)
     if run.compile:
         compiled = compile_blocks(model)
         if pstate.is_logging_rank:

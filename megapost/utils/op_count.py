@@ -38,7 +38,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.counter.active:
-            name = f"aten.{func.overloadpacket.__name__}"
+            name = f"{getattr(func, 'namespace', 'aten')}.{func.overloadpacket.__name__}"
             (self.counter.metadata if is_metadata(func) else self.counter.by_name)[name] += 1
         return func(*args, **(kwargs or {}))
 
