@@ -125,3 +125,31 @@ def test_pp2_save_resumes_at_pp2_and_pp1_bit_for_bit(tiny_data, tmp_path) -> Non
     assert sorted(pp2) == sorted(pp1) == [3, 4], (pp2, pp1)
     assert all(pp2[s] == ref[s] and pp1[s] == ref[s] for s in (3, 4)), (ref, pp2, pp1)
     assert 4 in valid[0] and valid[1][4] == valid[0][4] == valid[2][4], valid
+
+
+def _trace_pipeline(virtual: bool) -> dict:
+    """Rank function: step 2's recorded issue order on the native pipeline, PP 2, 4 micro-batches."""
+    from native_train import trace_trainer
+
+    pp = ("--pipeline-model-parallel-size", "2")
+    return trace_trainer((*pp, *VIRTUAL) if virtual else pp, micro_batches=2)
+
+
+@pytest.mark.integration
+def test_reduce_scatters_start_at_each_chunks_last_backward() -> None:
+    """Overlap under PP (buckets of 20 k elements, rank 0): 1F1B — bucket i + 1's gather issued before the
+    forward of bucket i ends, the last bucket's reduce-scatter before the first bucket's gradients are in;
+    interleaved (rank 0 holds chunk 0 = embedding + layer 0 and chunk 2 = layer 2) — a bucket of chunk 2
+    only is reduce-scattered before chunk 0's last gradients are in, i.e. inside the schedule, not after."""
+    from dist_utils import run_ranks
+    from native_train import check_overlap, small_buckets
+
+    one = run_ranks(_trace_pipeline, 2, False, setup=small_buckets)[0]
+    check_overlap(one["events"], one["buckets"])
+    inter = run_ranks(_trace_pipeline, 2, True, setup=small_buckets)[0]
+    events, buckets = inter["events"], inter["buckets"]
+    late = [i for i, names in enumerate(buckets) if all(n.startswith("layers.2.") for n in names)]
+    early = {f"grad {n}" for names in buckets for n in names if not n.startswith("layers.2.")}
+    assert late and early, buckets
+    last_early = max(j for j, e in enumerate(events) if e in early)
+    assert events.index(f"reduce_scatter {late[0]}") < last_early, events
