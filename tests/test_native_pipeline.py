@@ -99,13 +99,14 @@ def test_pp2_dp2_equals_dp2_and_tp2_sp_pp2_within_tolerance() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # four 2-rank or 1-rank launches of megapost's pretrain: ~2 min on 2 cores
+@pytest.mark.slow  # five 1- to 4-rank launches of megapost's pretrain: ~3 min on 2 cores
 def test_pp2_save_resumes_at_pp2_and_pp1_bit_for_bit(tiny_data, tmp_path) -> None:
     """PP 2 on the native engine through ``megapost.pretrain.run`` (2 layers, one per stage, 2
     micro-batches), evaluated every 2 iterations (the schedule's forward only), saved at iteration 2 in
-    the layout-free format: resumed at PP 2 and at PP 1 (the same tensors resharded by the unchanged
-    checkpoint package) it trains iterations 3-4 with the uninterrupted run's losses and validation loss
-    bit for bit."""
+    the layout-free format: resumed at PP 2, at PP 1 and at PP 2 x DP 2 (the same tensors resharded by
+    the unchanged checkpoint package; DP 2 x 1 micro-batch = DP 1 x 2 bit for bit, halving is exact) it
+    trains iterations 3-4 with the uninterrupted run's losses and validation loss bit for bit (at DP 2 the
+    mean of the two ranks' micro-batch losses: the same two numbers halved)."""
     from ckpt_faults import train
     from dist_utils import run_ranks
     from launch_utils import read_scalars, tiny_model_flags
@@ -119,12 +120,14 @@ def test_pp2_save_resumes_at_pp2_and_pp1_bit_for_bit(tiny_data, tmp_path) -> Non
     run_ranks(train, 2, argv(2, "a", 2, **{"--save": tmp_path / "ckpt"}))
     run_ranks(train, 2, argv(4, "b", 2, **{"--load": tmp_path / "ckpt"}))
     run_ranks(train, 1, argv(4, "c", 1, **{"--load": tmp_path / "ckpt"}))
-    ref, pp2, pp1 = (read_scalars(tmp_path / d, "train/lm_loss") for d in ("ref", "b", "c"))
-    valid = [read_scalars(tmp_path / d, "valid/lm_loss") for d in ("ref", "b", "c")]
-    print("uninterrupted", ref, valid[0], "\nresumed PP 2", pp2, valid[1], "\nresumed PP 1", pp1, valid[2])
-    assert sorted(pp2) == sorted(pp1) == [3, 4], (pp2, pp1)
-    assert all(pp2[s] == ref[s] and pp1[s] == ref[s] for s in (3, 4)), (ref, pp2, pp1)
-    assert 4 in valid[0] and valid[1][4] == valid[0][4] == valid[2][4], valid
+    run_ranks(train, 4, argv(4, "d", 2, **{"--load": tmp_path / "ckpt"}))
+    ref, pp2, pp1, dp2 = (read_scalars(tmp_path / d, "train/lm_loss") for d in ("ref", "b", "c", "d"))
+    valid = [read_scalars(tmp_path / d, "valid/lm_loss") for d in ("ref", "b", "c", "d")]
+    print("uninterrupted", ref, valid[0], "\nresumed PP 2", pp2, valid[1], "\nresumed PP 1", pp1, valid[2],
+          "\nresumed PP 2 x DP 2", dp2, valid[3])
+    assert sorted(pp2) == sorted(pp1) == sorted(dp2) == [3, 4], (pp2, pp1, dp2)
+    assert all(pp2[s] == ref[s] == pp1[s] == dp2[s] for s in (3, 4)), (ref, pp2, pp1, dp2)
+    assert 4 in valid[0] and valid[1][4] == valid[0][4] == valid[2][4] == valid[3][4], valid
 
 
 def _trace_pipeline(virtual: bool) -> dict:
