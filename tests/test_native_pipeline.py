@@ -99,7 +99,7 @@ def test_pp2_dp2_equals_dp2_and_tp2_sp_pp2_within_tolerance() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # five 1- to 4-rank launches of megapost's pretrain: ~3 min on 2 cores
+@pytest.mark.slow  # five 1- to 4-rank launches of megapost's pretrain: 22 s on 2 idle cores, ~2 min loaded
 def test_pp2_save_resumes_at_pp2_and_pp1_bit_for_bit(tiny_data, tmp_path) -> None:
     """PP 2 on the native engine through ``megapost.pretrain.run`` (2 layers, one per stage, 2
     micro-batches), evaluated every 2 iterations (the schedule's forward only), saved at iteration 2 in
