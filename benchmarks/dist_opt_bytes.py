@@ -1,10 +1,10 @@
 """Bytes moved per optimizer step by the real trainer on 4 gloo ranks (one thread each), before and after
 megapost's distributed optimizer: DeepSpeed's ZeRO-1 path (``--zero-stage 1`` fp32, the bf16 default
 with ``--overlap-grad-reduce``) and the native engine (``--use-distributed-optimizer``, buckets of 500 k
-elements), for DP 4 bf16, DP 4 fp32, TP 2 + SP x DP 2 bf16 (and PP 2 x DP 2 bf16 before only: the native
-engine refuses PP > 1) at 1, 4 and 8 micro-batches per step, by the axis of the group each collective ran
-on, beside the planner's figure for the same layout (megapost.plan.search.comm_parts; pipeline p2p sends
-are not collectives and are not counted).
+elements), for DP 4 bf16, DP 4 fp32, TP 2 + SP x DP 2 bf16 and PP 2 x DP 2 bf16 (the native engine's
+pipeline: megapost.native.pipeline) at 1, 4 and 8 micro-batches per step, by the axis of the group
+each collective ran on, beside the planner's figure for the same layout (megapost.plan.search.comm_parts;
+pipeline p2p sends are not collectives and are not counted).
 
     OMP_NUM_THREADS=1 nice python benchmarks/dist_opt_bytes.py --json before.json            # ~12 min
     OMP_NUM_THREADS=1 nice python benchmarks/dist_opt_bytes.py --after --json after.json     # ~8 min
@@ -46,7 +46,7 @@ LAYOUTS = {  # name -> (tp, pp, flags before, flags after or None)
     "TP2+SP x DP2 bf16": (2, 1, ["--bf16", "--overlap-grad-reduce", *TP2SP], ["--bf16", *TP2SP]),
     "TP2+SP x DP2 fp32": (2, 1, ["--zero-stage", "1", *TP2SP], [*TP2SP]),
     "PP2 x DP2 bf16": (1, 2, ["--bf16", "--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"],
-                       None),
+                       ["--bf16", "--pipeline-model-parallel-size", "2"]),
 }
 
 

@@ -4,6 +4,8 @@ the gather behind the next step's first forward, except what exceeds them."""
 
 from __future__ import annotations
 
+import math
+
 from megapost.model import ModelConfig
 from megapost.parallel.reduce_bytes import dist_optimizer_bytes
 from megapost.plan.counts import stage_parameters
@@ -52,8 +54,8 @@ def test_candidates_offer_it_only_when_asked() -> None:
 
 def test_cli_prices_the_flag_as_the_native_engine(capsys) -> None:
     """``--use-distributed-optimizer`` runs megapost's native engine (megapost.native), so the CLI prices its
-    layouts as the distributed optimizer (DistOpt at DP > 1, PP 1 only: the trainer refuses PP > 1 with
-    it) and says so; at 64 GPUs it exposes less data-parallel time than ZeRO-1's best layout."""
+    layouts as the distributed optimizer (DistOpt at DP > 1, any PP, the interleaved schedule only there)
+    and says so; at 64 GPUs it exposes less data-parallel time than ZeRO-1's best layout."""
     import json
 
     from megapost.plan.__main__ import main as plan_main
@@ -64,7 +66,10 @@ def test_cli_prices_the_flag_as_the_native_engine(capsys) -> None:
 
     ours, zero1 = plan("--use-distributed-optimizer"), plan("--zero-stage", "1")
     rows = ours["fitting"] + ours["not_fitting"]
-    assert all(r["layout"]["pp"] == 1 and r["layout"]["zero_stage"] == 1 for r in rows)
+    assert all(r["layout"]["zero_stage"] == 1 for r in rows) and any(r["layout"]["pp"] > 1 for r in rows)
+    assert any(r["layout"]["virtual"] > 1 for r in rows)
+    assert all(r["layout"]["distributed_optimizer"] for r in rows if r["layout"]["virtual"] > 1)
+    assert not any(r["layout"]["virtual"] > 1 for r in zero1["fitting"] + zero1["not_fitting"])
     assert all(r["layout"]["distributed_optimizer"] == (r["layout"]["dp"] > 1) for r in rows)
     assert not any(r["layout"]["distributed_optimizer"] for r in zero1["fitting"] + zero1["not_fitting"])
     assert ours["recommended"]["layout"]["distributed_optimizer"]
@@ -72,3 +77,24 @@ def test_cli_prices_the_flag_as_the_native_engine(capsys) -> None:
     assert any("megapost's native engine" in n for n in ours["notes"]) and not zero1["notes"]
     plan_main(["--preset", "llama-7b", "--gpus", "64", "--use-distributed-optimizer"])
     assert "DistOpt" in capsys.readouterr().out
+
+
+def test_interleaved_schedule_priced_bubble_and_sends() -> None:
+    """llama-7b-shaped (``CFG``), TP 1 PP 4 DP 2, 8 micro-batches: v = 2 virtual stages per rank against
+    1F1B — the bubble is compute x (pp - 1) / (m v) = compute x 3/16 (1F1B: 3/8), the pipeline's bytes
+    twice 1F1B's (every
+    chunk boundary crosses ranks: 2 x 2 x tokens x h x 2 B per rank, computed here), the compute the
+    same, the first stage's activations more (1 + 3/8 of the micro-batches in flight)."""
+    from megapost.plan.memory import rank_memory
+
+    cfg = CFG
+    one, two = (Layout(1, 4, 2, 1, 1, 8, distributed_optimizer=True, virtual=v) for v in (1, 2))
+    c1, c2 = (comm_parts(cfg, lay, 16, bf16=True) for lay in (one, two))
+    tokens = 8 * cfg.seq_length  # per data-parallel rank: 16 / 2 sequences
+    assert c1["pp"] == 2 * tokens * cfg.hidden_size * 2 and c2["pp"] == 2 * c1["pp"]
+    p1, p2 = (step_parts(cfg, lay, 16, True, Cluster(), c) for lay, c in ((one, c1), (two, c2)))
+    assert p1["compute"] == p2["compute"]
+    assert math.isclose(p1["bubble"], p1["compute"] * 3 / 8, rel_tol=1e-12)
+    assert math.isclose(p2["bubble"], p1["compute"] * 3 / 16, rel_tol=1e-12)
+    m1, m2 = (rank_memory(cfg, lay, Precision())[0] for lay in (one, two))
+    assert m2.activations > m1.activations

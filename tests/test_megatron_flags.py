@@ -73,7 +73,13 @@ def test_parsed_meaning(tiny_data, tmp_path) -> None:
     (["--hidden-dropout", "0.1"], "dropout is not supported"),
     (["--num-experts", "8"], "mixture-of-experts is not supported"),
     (["--context-parallel-size", "2"], "context parallelism is not supported"),
-    (["--num-layers-per-virtual-pipeline-stage", "2"], "the interleaved pipeline schedule is not supported"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "runs on megapost's native engine only (DeepSpeed's "
+     "PipelineEngine runs 1F1B): add --use-distributed-optimizer"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--use-distributed-optimizer", "--num-layers", "4"],
+     "--num-layers-per-virtual-pipeline-stage 2: needs >= 1 layers and --pipeline-model-parallel-size > 1"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--use-distributed-optimizer", "--num-layers", "6",
+      "--pipeline-model-parallel-size", "2"], "--num-layers-per-virtual-pipeline-stage 2: --num-layers 6 is "
+     "not a multiple of --pipeline-model-parallel-size 2 x 2"),
     (["--lr-decay-style", "WSD"], "needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
       "--num-layers", "4"], "recomputing only some layers of a stage is not supported"),

@@ -128,17 +128,21 @@ def test_sequence_parallel_gains_reduced_once_per_step() -> None:
 
 
 def test_refusals_name_the_flag_in_one_line() -> None:
-    """PP > 1 and a DeepSpeed JSON are refused, each in one line."""
+    """A DeepSpeed JSON, and interleaved micro-batches that do not make equal rounds, are refused, each
+    in one line; PP > 1 runs."""
     from types import SimpleNamespace as NS
 
     from megapost.native.build import refusals
 
-    def config(pp: int = 1) -> NS:
-        return NS(parallel=NS(pipeline_model_parallel_size=pp))
+    def config(pp: int = 1, virtual: int | None = None, m: int = 4) -> NS:
+        return NS(parallel=NS(pipeline_model_parallel_size=pp, virtual_pipeline_layers=virtual),
+                  engine=NS(batch=NS(grad_accum_steps=m)))
 
-    assert refusals(config(), {}) == []
-    (line,) = refusals(config(pp=2), {})
-    assert line.startswith("--use-distributed-optimizer with --pipeline-model-parallel-size > 1: not yet")
+    assert refusals(config(), {}) == [] and refusals(config(pp=2), {}) == []
+    assert refusals(config(pp=2, virtual=1, m=6), {}) == []  # 3 rounds of 2
+    (line,) = refusals(config(pp=2, virtual=1, m=5), {})  # 2 rounds of 5 micro-batches: not equal
+    assert line.startswith("--num-layers-per-virtual-pipeline-stage with 5 micro-batches per step at "
+                           "--pipeline-model-parallel-size 2: ") and "\n" not in line
     assert "--deepspeed-config" in refusals(config(), {"zero_optimization": {}})[0]
 
 

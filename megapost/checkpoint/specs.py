@@ -22,8 +22,9 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def local_parameters(module: nn.Module, num_layers: int, pipeline: bool) -> dict[str, nn.Parameter]:
-    """This rank's parameters under their ``LlamaModel`` names."""
-    if not pipeline:
+    """This rank's parameters under their ``LlamaModel`` names (DeepSpeed's pipeline module names them
+    by layer index; the native engine's stages, ``llama_names``, as ``LlamaModel`` already)."""
+    if not pipeline or getattr(module, "llama_names", False):
         return dict(module.named_parameters())
     from megapost.parallel.pipeline import model_parameter_name
 

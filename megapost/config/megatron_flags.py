@@ -83,7 +83,8 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, help="refused: megapost has no MoE")
     g.add_argument("--context-parallel-size", type=int, default=1, help="only 1")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
-                   help="refused: DeepSpeed's pipeline engine has no interleaved schedule")
+                   help="layers per virtual pipeline stage: the interleaved 1F1B schedule (native engine, "
+                   "--use-distributed-optimizer; DeepSpeed's pipeline engine runs 1F1B only)")
     g.add_argument("--train-samples", type=int, help="--train-iters = samples / global batch")
     g.add_argument("--lr-decay-samples", type=int, help="--lr-decay-iters = samples / global batch")
     g.add_argument("--lr-warmup-samples", type=int, help="--lr-warmup-iters = samples / global batch")
@@ -190,10 +191,8 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
     if args.context_parallel_size != 1:
         out.append(_refuse(f"--context-parallel-size {args.context_parallel_size}", "context parallelism "
                            "is not supported; use --sequence-parallel with --tensor-model-parallel-size"))
-    if (virtual := args.num_layers_per_virtual_pipeline_stage):
-        out.append(_refuse(f"--num-layers-per-virtual-pipeline-stage {virtual}", "the interleaved pipeline "
-                           "schedule is not supported: DeepSpeed 0.19's PipelineEngine runs only 1F1B over "
-                           "one contiguous range of layers per stage"))
+    if (virtual := args.num_layers_per_virtual_pipeline_stage) is not None:
+        out += _virtual_stage_errors(args, virtual)
     if args.rotary_percent != 1.0:
         out.append(_refuse(f"--rotary-percent {args.rotary_percent}", "only full rotary embeddings (1.0)"))
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
@@ -203,6 +202,20 @@ def _refusals(args: argparse.Namespace) -> list[ConfigError]:
         out.append(_refuse(f"--kv-channels {args.kv_channels}", f"must equal --hidden-size "
                            f"{args.hidden_size} / --num-attention-heads {args.num_attention_heads}"))
     return out
+
+
+def _virtual_stage_errors(args: argparse.Namespace, virtual: int) -> list[ConfigError]:
+    """--num-layers-per-virtual-pipeline-stage: the native engine only, at PP > 1, dividing the layers."""
+    flag, pp = f"--num-layers-per-virtual-pipeline-stage {virtual}", args.pipeline_model_parallel_size
+    if not args.use_distributed_optimizer:
+        return [_refuse(flag, "the interleaved pipeline schedule runs on megapost's native engine only "
+                        "(DeepSpeed's PipelineEngine runs 1F1B): add --use-distributed-optimizer")]
+    if virtual < 1 or pp < 2:
+        return [_refuse(flag, f"needs >= 1 layers and --pipeline-model-parallel-size > 1 (got {pp})")]
+    if args.num_layers % (pp * virtual):
+        return [_refuse(flag, f"--num-layers {args.num_layers} is not a multiple of "
+                        f"--pipeline-model-parallel-size {pp} x {virtual}")]
+    return []
 
 
 def apply_distributed_optimizer(args: argparse.Namespace) -> list[str]:

@@ -27,6 +27,12 @@ class ParallelConfig:
     distributed_backend: str | None
     distributed_timeout_minutes: float
     async_tensor_model_parallel_allreduce: bool = True  # --no-async-tensor-model-parallel-allreduce
+    virtual_pipeline_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage (native engine)
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Chunks per pipeline rank: L / (PP x layers per virtual stage), 1 without the flag."""
+        n = self.virtual_pipeline_layers
+        return num_layers // (self.pipeline_model_parallel_size * n) if n else 1
 
 
 @dataclass(frozen=True)
@@ -197,8 +203,9 @@ def grad_reduction(a: argparse.Namespace, device_type: str) -> tuple[int, bool, 
     overlap = bool(wanted) and a.data_parallel_size > 1
     if a.overlap_grad_reduce and a.data_parallel_size == 1:
         notes.append("--overlap-grad-reduce: one data-parallel rank, no gradient reduction to overlap")
-    if overlap and a.pipeline_model_parallel_size > 1:  # DeepSpeed's pipeline engine: ZeRO <= 1,
-        # gradients reduced in its own step after the last micro-batch
+    native = bool(getattr(a, "use_distributed_optimizer", False))
+    if overlap and a.pipeline_model_parallel_size > 1 and not native:  # DeepSpeed's pipeline engine:
+        # ZeRO <= 1, gradients reduced in its own step after the last micro-batch
         notes.append("--overlap-grad-reduce: not under pipeline parallelism (DeepSpeed's pipeline engine "
                      "reduces after the last micro-batch)")
         overlap = False
@@ -295,7 +302,8 @@ def resolve(args: argparse.Namespace, model: ModelConfig, device_type: str,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
         data_parallel_size=a.data_parallel_size, distributed_backend=a.distributed_backend,
         distributed_timeout_minutes=a.distributed_timeout_minutes,
-        async_tensor_model_parallel_allreduce=getattr(a, "async_tensor_model_parallel_allreduce", True))
+        async_tensor_model_parallel_allreduce=getattr(a, "async_tensor_model_parallel_allreduce", True),
+        virtual_pipeline_layers=getattr(a, "num_layers_per_virtual_pipeline_stage", None))
     plugins = {getattr(cls, "name", cls.__name__): plugin_config(cls, a) for cls in plugin_classes}
     return Config(
         model=model, parallel=parallel, data=_data(a), optimizer=_optimizer(a), checkpoint=_checkpoint(a),

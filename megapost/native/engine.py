@@ -3,7 +3,9 @@
 
 A step: ``forward_backward`` runs the micro-batches (each loss divided by their count, as DeepSpeed
 scales by the accumulation steps), the gradients accumulate in the optimizer's fp32 buckets and the last
-micro-batch's backward reduce-scatters them bucket by bucket; ``step`` waits for the reductions, calls
+micro-batch's backward reduce-scatters them bucket by bucket (under PP the schedule runs them,
+``megapost.native.pipeline``: a bucket is reduce-scattered once each chunk holding its parameters has run
+its last backward); ``step`` waits for the reductions, calls
 ``before_step`` (the trainer's hook: the plugins read ``owned_grad`` there), then the global-norm clip
 and the optimizer step on this rank's fp32 shard. A non-finite norm skips on the device (fused AdamW's
 ``found_inf``: weights, moments and step counts unchanged), the flag recorded by the ``SkipCounter`` and
@@ -33,8 +35,9 @@ class NativeEngine:
 
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], dist: DistributedOptimizer,
                  scheduler: WarmupDecaySchedule, skips: SkipCounter, *, replicated_owner: bool,
-                 hooks: list[Any], samples_per_step: int = 0) -> None:
+                 hooks: list[Any], samples_per_step: int = 0, pipeline: Any = None) -> None:
         self._module, self.loss_fn, self.dist = module, loss_fn, dist
+        self.pipeline = pipeline  # a megapost.native.pipeline.PipelineRunner under PP > 1
         self.lr_scheduler, self.skips, self.replicated_owner = scheduler, skips, replicated_owner
         self.before_step: Callable[[], None] = lambda: None
         self._hooks = hooks
@@ -65,6 +68,8 @@ class NativeEngine:
 
     # ---- the protocol ---------------------------------------------------------------------------
     def _losses(self, micro_batches: Iterator[Any], count: int, backward: bool) -> torch.Tensor:
+        if self.pipeline is not None:  # the schedule runs the micro-batches; the loss of the last stage
+            return self.pipeline.run(micro_batches, backward)
         losses = []
         for i in range(count):
             batch = next(micro_batches)

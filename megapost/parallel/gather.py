@@ -16,7 +16,7 @@ def full_state_dict(model: nn.Module, pstate: ParallelState) -> dict[str, torch.
     tensor- and pipeline-parallel groups: call it on every rank. ``model`` is this rank's module
     (``ParallelLlamaModel`` or ``LlamaPipeline``, not the DeepSpeed engine)."""
     rename = (lambda name: name)
-    if pstate.pp_size > 1:
+    if pstate.pp_size > 1 and not getattr(model, "llama_names", False):  # DeepSpeed's layer-index names
         from megapost.parallel.pipeline import model_parameter_name
 
         num_layers = model.config.num_layers

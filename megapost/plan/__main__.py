@@ -37,8 +37,9 @@ SPEED_FLAGS = (  # the speed model's Cluster fields a flag sets (megapost/plan/t
 TIE = 0.005  # layouts predicted within 0.5 % of the fastest are reported as tied
 DIST_OPT_NOTE = ("--use-distributed-optimizer: priced as what the trainer runs under it, megapost's native "
                  "engine (megapost/native: one reduce-scatter per step overlapped with the last backward, "
-                 "the weight gather with the next forward; ~0.6x ZeRO-1's bytes in bf16); pipeline "
-                 "parallelism 1 only, as the trainer refuses PP > 1 with it (docs/multi-gpu.md)")
+                 "the weight gather with the next forward; ~0.6x ZeRO-1's bytes in bf16); under PP its "
+                 "1F1B or the interleaved schedule (PPxvN: N virtual stages per rank, "
+                 "--num-layers-per-virtual-pipeline-stage L/(PP N)) (docs/multi-gpu.md)")
 
 
 DEFAULT_VOCAB = 32000  # --vocab-size (the trainer's flag: the tokenizer vocabulary, padded as it does)
@@ -166,8 +167,6 @@ def plan(args: argparse.Namespace) -> dict[str, object]:
                        distributed_optimizer=bool(args.use_distributed_optimizer),
                        tp_overlap=getattr(args, "async_tensor_model_parallel_allreduce", True))
     cands = [c for c in cands if _allowed(c.layout, args)]
-    if args.use_distributed_optimizer:  # the native engine: PP 1 (megapost.native.build.refusals)
-        cands = [c for c in cands if c.layout.pp == 1]
     best = recommend(cands)
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
 

@@ -60,6 +60,7 @@ chunk's product dz^T x e*V*h and one chunk of rows in fp32 and in the activation
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from megapost.kernels.linear_ce import DEFAULT_CHUNK_ELEMENTS
@@ -83,6 +84,7 @@ class Layout:
     sequence_parallel: bool = False
     checkpoint_num_layers: int = 1
     distributed_optimizer: bool = False  # megapost.parallel.dist_optimizer (with zero_stage 1)
+    virtual: int = 1  # chunks per pipeline rank: the interleaved 1F1B (native engine) when > 1
     tp_overlap: bool = True  # megapost.parallel.async_linear (--no-async-tensor-model-parallel-allreduce)
 
     @property
@@ -93,7 +95,8 @@ class Layout:
         ck = "ckpt" if self.checkpoint else "-"
         sp = "+SP" if self.sequence_parallel else ""
         zero = "DistOpt" if self.distributed_optimizer else f"ZeRO-{self.zero_stage}"
-        return (f"TP{self.tp}{sp} PP{self.pp} DP{self.dp} {zero} mb{self.micro_batch} "
+        pp = f"PP{self.pp}" + (f"v{self.virtual}" if self.virtual > 1 else "")
+        return (f"TP{self.tp}{sp} {pp} DP{self.dp} {zero} mb{self.micro_batch} "
                 f"ga{self.grad_accum} {ck}")
 
 
@@ -253,6 +256,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, prec: Precision, stage: int) 
     kept, recompute = _saved_activations(cfg, lay, prec, stage, t_sp)
     m = lay.grad_accum
     in_flight = min(lay.pp - stage, m) if lay.pp > 1 else 1
+    if lay.virtual > 1:  # interleaved: Korthikanti et al. 2022's 1 + (pp - 1) / (pp v) more in flight
+        in_flight = min(m, math.ceil(in_flight * (1 + (lay.pp - 1) / (lay.pp * lay.virtual))))
     boundary = e * t_sp * cfg.hidden_size  # a stage's received input / sent output per micro-batch
     per_micro = kept + (2 * boundary if lay.pp > 1 else 0)
     last = stage == lay.pp - 1

@@ -50,7 +50,7 @@ def comm_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool,
     layers = cfg.num_layers / lay.pp
     tp = 4 * layers * tokens_rank * cfg.hidden_size * e * 2 * (lay.tp - 1) / lay.tp
     sent = 2 * tokens_rank * cfg.hidden_size * e / (lay.tp if lay.sequence_parallel else 1)
-    pp = sent if lay.pp > 1 else 0.0
+    pp = sent * lay.virtual if lay.pp > 1 else 0.0  # interleaved: every chunk boundary crosses ranks
     params = max(stage_parameters(cfg, lay.tp, lay.pp, s) for s in range(lay.pp))
     dp = (dist_optimizer_bytes(params, lay.dp, bf16, reduce_in_bf16) if lay.distributed_optimizer else
           dp_step_bytes(params, lay.dp, lay.zero_stage, lay.grad_accum, bf16, reduce_in_bf16)).total
@@ -85,9 +85,10 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                         continue  # megapost: PP needs ZeRO <= 1; bf16 promotes ZeRO-0 to 1
                     if pp > 1 and zero == 0 and not prec.bf16 and clip_grad > 0:
                         continue  # fp32 PP + clipping needs ZeRO-1 (deepspeed_config_errors)
-                    for ckpt in (False, True):
-                        lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers,
-                                     distributed_optimizer and zero == 1 and dp > 1, tp_overlap)
+                    native = distributed_optimizer and zero == 1 and dp > 1
+                    for ckpt, v in ((c, v) for c in (False, True) for v in _virtual(cfg, pp, ga, native)):
+                        lay = Layout(tp, pp, dp, zero, mb, ga, ckpt, sp, checkpoint_num_layers, native, v,
+                                     tp_overlap=tp_overlap)
                         stages = rank_memory(cfg, lay, prec)
                         peak = max(m.peak for m in stages)
                         comm = comm_parts(cfg, lay, global_batch, prec.bf16, reduce_in_bf16)
@@ -96,6 +97,15 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, prec: Precision, 
                         out.append(Candidate(lay, stages, peak, peak <= usable, t,
                                              global_batch * cfg.seq_length / t, sum(comm.values()), parts))
     return out
+
+
+def _virtual(cfg: ModelConfig, pp: int, micro_batches: int, native: bool) -> list[int]:
+    """Chunks per pipeline rank a layout may run: 1, and on the native engine at PP > 1 the interleaved
+    schedule's 2 and 4 where the layers split evenly and the micro-batches make equal rounds
+    (megapost.native.build.refusals)."""
+    if not native or pp == 1 or micro_batches % max(1, micro_batches // pp):
+        return [1]
+    return [1, *(v for v in (2, 4) if cfg.num_layers % (pp * v) == 0)]
 
 
 def recommend(cands: list[Candidate]) -> Candidate | None:

@@ -1,13 +1,16 @@
 """The planner's speed model: seconds per optimizer step of a layout, from its compute at a micro-batch
 dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/scaling.md).
 
-    step = compute * (1 + (pp - 1) / m) + exposed communication
+    step = compute * (1 + (pp - 1) / (m * v)) + exposed communication
 
 - compute: the step's model FLOPs (plus a block forward per checkpointed block) / (GPUs * peak *
   MFU(T)), where MFU saturates in the tokens of a micro-batch, T = b * s:
   MFU(T) = mfu * T / (T + T_half) (``--mfu`` is the saturated value; ``--mfu-half-tokens`` T_half, the
   micro-batch at which half of it is reached: small GEMMs leave a GPU idle);
-- the 1F1B bubble (pp - 1) / m, m micro-batches per step;
+- the 1F1B bubble (pp - 1) / m, m micro-batches per step; under the interleaved schedule (v chunks per
+  pipeline rank, the native engine's --num-layers-per-virtual-pipeline-stage) (pp - 1) / (m * v), for v
+  times the pipeline's sends (megapost.plan.search.comm_parts) and more activations in flight
+  (megapost.plan.memory);
 - communication (megapost.plan.search.comm_parts: bytes per GPU on a ring) at the bandwidth of the
   group's links: NVLink inside a node (``--intra-node-gbs``), the network between nodes
   (``--inter-node-gbs``); a group lies inside a node when its ranks' span does (megapost's rank order:
@@ -20,9 +23,9 @@ dependent MFU, its pipeline bubble, and the communication it cannot hide (docs/s
   pipeline): only what exceeds the backward it overlaps (every micro-batch's at ZeRO-2, the last
   one's at ZeRO-1) shows, plus the weight all-gather after the step; the ZeRO-0 reduction runs after
   backward, all of it exposed. megapost's distributed optimizer (megapost.parallel.dist_optimizer,
-  a ``Layout`` flag; built, not yet the trainer's, so the CLI prices ``--use-distributed-optimizer`` as
-  ZeRO-1) shows only its reduce-scatter beyond the last micro-batch's backward and its weight gather
-  beyond the next step's first micro-batch forward.
+  a ``Layout`` flag: the native engine of ``--use-distributed-optimizer``, any PP) shows only its
+  reduce-scatter beyond the last micro-batch's backward and its weight gather beyond the next step's
+  first micro-batch forward.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def step_parts(cfg: ModelConfig, layout: Layout, global_batch: int, bf16: bool, 
     lay = layout
     mfu = micro_batch_mfu(cluster, lay.micro_batch * cfg.seq_length)
     compute = step_flops(cfg, lay, global_batch) / (lay.gpus * cluster.peak_tflops * 1e12 * mfu)
-    bubble = compute * (lay.pp - 1) / lay.grad_accum
+    bubble = compute * (lay.pp - 1) / (lay.grad_accum * lay.virtual)
     tp = tp_exposed(cfg, lay, global_batch, cluster, mfu, comm["tp"]) if lay.tp > 1 else 0.0
     pp = comm["pp"] / _bandwidth(cluster, lay.tp * lay.dp * lay.pp) if lay.pp > 1 else 0.0
     dp_bw = _bandwidth(cluster, lay.tp * lay.dp)

@@ -148,9 +148,12 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
     random.seed(config.model.seed)  # them: a checkpoint's RNG state is then the same in every run
     np.random.seed(config.model.seed)  # of one config (tools/soak.py compares it bit for bit)
     run = config.runtime
-    model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
-                                 checkpoint_num_layers=run.checkpoint_num_layers,
-                                 z_loss=config.optimizer.z_loss)
+    if native.selected(config):  # its own pipeline stages under PP (megapost.native.pipeline)
+        model, loss_fn = native.build_native_model(config, pstate)
+    else:
+        model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
+                                     checkpoint_num_layers=run.checkpoint_num_layers,
+                                     z_loss=config.optimizer.z_loss)
     fusion = parse_fusion(run.kernel_fusion)
     set_kernel_fusion(model, fusion)
     if (fusion.names and "ce" in fusion.names and pstate.is_logging_rank

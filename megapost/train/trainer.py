@@ -56,8 +56,10 @@ class Trainer:
         batch, run, ckpt = config.engine.batch, config.runtime, config.checkpoint
         self.tokens_per_step = batch.global_batch_size * config.model.seq_length
         self.host = PluginHost(plugins)
-        self.runner = StepRunner(engine, loss_fn, pstate, device, batch.grad_accum_steps,
-                                 config.parallel.pipeline_model_parallel_size > 1, self.host, train_iter_fn)
+        par = config.parallel  # DeepSpeed's pipeline engine runs its own batches (the native engine's: dicts)
+        ds_pipeline = par.pipeline_model_parallel_size > 1 and not config.engine.distributed_optimizer
+        self.runner = StepRunner(engine, loss_fn, pstate, device, batch.grad_accum_steps, ds_pipeline,
+                                 self.host, train_iter_fn)
         self.evaluator = Evaluator(self.runner, valid_iter_fn, run.eval_iters, monitor, self.tokens_per_step,
                                    faults)
         throughput = Throughput(config.model.flops_per_token(), pstate.world_size, peak_tflops,
