@@ -366,18 +366,19 @@ def check_layout_matches_single_process(spec: RunSpec, dp: int) -> None:
     compare_with_single_process(spec, dp, reference(spec), run_layout(spec, dp))
 
 
-def check_layouts_match_single_process(specs: list[RunSpec], dp: int) -> None:
+def check_layouts_match_single_process(specs: list[RunSpec], dp: int,
+                                      slack: list[float] | None = None) -> None:
     """``check_layout_matches_single_process`` for several models of one layout, in two launches."""
-    refs = references(specs)
-    for spec, ref, ranks in zip(specs, refs, run_layouts(specs, dp), strict=True):
-        compare_with_single_process(spec, dp, ref, ranks)
+    refs, slack = references(specs), slack or [1.0] * len(specs)  # slack: compare_with_single_process's
+    for spec, ref, ranks, s in zip(specs, refs, run_layouts(specs, dp), slack, strict=True):
+        compare_with_single_process(spec, dp, ref, ranks, s)
 
 
-def compare_with_single_process(spec: RunSpec, dp: int, ref: dict[str, Any], ranks: list[dict[str, Any]]
-                                ) -> None:
-    """The assertions of ``check_layout_matches_single_process`` on finished runs."""
-    out = ranks[0]
-    sgd = spec.optimizer == "sgd"
+def compare_with_single_process(spec: RunSpec, dp: int, ref: dict[str, Any], ranks: list[dict[str, Any]],
+                                slack: float = 1.0) -> None:
+    """The assertions of ``check_layout_matches_single_process`` on finished runs; ``slack`` multiplies
+    the gradient-norm and weight tolerances (a case whose equivalent single-process runs disagree more)."""
+    out, sgd = ranks[0], spec.optimizer == "sgd"
     diffs = {
         "loss": max_rel_diff(out["losses"], ref["losses"]),
         "grad_norm": max_rel_diff(out["grad_norms"], ref["grad_norms"]) if ref["grad_norms"][0] else 0.0,
@@ -390,11 +391,13 @@ def compare_with_single_process(spec: RunSpec, dp: int, ref: dict[str, Any], ran
     diffs["model"] = model
     assert max_param_diff(out["params0"], ref["params0"]) == 0.0, f"initial weights differ by layout:{model}"
     assert all(r["losses"] == out["losses"] for r in ranks), f"ranks disagree on the loss:{model}"
-    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5, diffs
-    assert diffs["param_rel_update"] <= (1e-5 if sgd else 1e-4), diffs
-    assert diffs["param_abs"] <= (1e-6 if sgd else 1e-4), diffs
+    assert diffs["loss"] <= 1e-5 and diffs["grad_norm"] <= 1e-5 * slack, diffs
+    if slack != 1.0:  # a loosened case: the first step's grad norm, before reordering grows, stays tight
+        first = max_rel_diff(out["grad_norms"][:1], ref["grad_norms"][:1])
+        assert first <= 1e-6, f"first-step grad norm differs by {first:.2e}:{model}"
+    assert diffs["param_rel_update"] <= (1e-5 if sgd else 1e-4) * slack, diffs
+    assert diffs["param_abs"] <= (1e-6 if sgd else 1e-4) * slack, diffs
     if spec.probes:  # every probe reported once per micro-batch, checkpointed or not, and its dL/dY hook ran
-        micro_batches = spec.steps * out["gas"]
         for r in ranks:
-            assert set(r["probe_forward"].values()) == {micro_batches}, r["probe_forward"]
-            assert set(r["probe_backward"].values()) == {micro_batches}, r["probe_backward"]
+            assert set(r["probe_forward"].values()) == {spec.steps * out["gas"]}, r["probe_forward"]
+            assert set(r["probe_backward"].values()) == {spec.steps * out["gas"]}, r["probe_backward"]

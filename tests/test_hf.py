@@ -143,7 +143,10 @@ def _tiny_hf_llama(path: Path, vocab: int, **overrides) -> Path:
 
 
 @pytest.mark.integration
-def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
+@pytest.mark.parametrize("engine", [["--zero-stage", "1"], ["--use-distributed-optimizer"]],
+                         ids=["deepspeed-zero1", "native"])
+def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path, engine: list[str]) -> None:
+    """On DeepSpeed's engine and on the native one (its write_state and rebuild_weights)."""
     from transformers import LlamaForCausalLM
 
     src = _tiny_hf_llama(tmp_path / "src", vocab=512)
@@ -151,10 +154,10 @@ def test_import_hf_at_tp2_and_round_trip(tiny_data, tmp_path) -> None:
     # one step at lr 0 (Adam and weight decay then leave every weight bit for bit): the saved
     # checkpoint holds the step-0 model
     flags = tiny_model_flags(tiny_data, **{"--load-hf": src, "--train-iters": 1, "--lr": 0, "--save": ckpt,
-                                           "--tensor-model-parallel-size": 2, "--zero-stage": 1,
+                                           "--tensor-model-parallel-size": 2,
                                            "--peak-tflops": 1, "--num-layers": None, "--hidden-size": None,
                                            "--ffn-hidden-size": None, "--num-attention-heads": None})
-    out = pretrain(flags, nprocs=2, timeout=900)
+    out = pretrain([*flags, *engine], nprocs=2, timeout=900)
     assert f"loaded the weights of {src}" in out.stdout
     model, cfg = _megapost_model(ckpt)
     assert cfg.norm_position == "pre" and cfg.num_layers == 2

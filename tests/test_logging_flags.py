@@ -27,7 +27,13 @@ def _flat_fp32(engine: Any, kind: str) -> list[torch.Tensor]:
     return [flat.flatten()[:n] for flat, n in zip(flats, sizes, strict=True)]
 
 
-def _measure(argv: list[str], bf16: bool) -> dict[str, float]:
+def _native_flat(engine: Any, kind: str) -> list[torch.Tensor]:
+    """The native engine's distributed optimizer at one rank: each bucket's fp32 ``masters`` or averaged
+    ``grads`` (at DP 1 a bucket has no padding)."""
+    return [b.master if kind == "masters" else b.grad for b in engine.dist.buckets]
+
+
+def _measure(argv: list[str], bf16: bool, native: bool = False) -> dict[str, float]:
     """Train; record the independent zero count at the last step's optimizer step (gradients reduced,
     not yet applied) and the independent norm of the fp32 masters after it."""
     from megapost.pretrain import run
@@ -37,14 +43,17 @@ def _measure(argv: list[str], bf16: bool) -> dict[str, float]:
     before, close = Trainer.before_optimizer_step, Trainer.close
 
     def count(self: Trainer) -> None:
-        if bf16:
+        if native:
+            seen["zeros"] = sum(int((g == 0).sum()) for g in _native_flat(self.engine, "grads"))
+        elif bf16:
             seen["zeros"] = sum(int((g == 0).sum()) for g in _flat_fp32(self.engine.ds, "grads"))
         else:
             seen["zeros"] = _zeros_of_module_grads(self.engine)
         before(self)
 
     def norm(self: Trainer) -> None:
-        masters = _flat_fp32(self.engine.ds, "masters") if bf16 else list(self.engine.module.parameters())
+        masters = (_native_flat(self.engine, "masters") if native else _flat_fp32(self.engine.ds, "masters")
+                   if bf16 else list(self.engine.module.parameters()))
         seen["norm"] = math.sqrt(sum(float(m.detach().double().pow(2).sum()) for m in masters))
         seen["module_norm"] = math.sqrt(sum(float(p.detach().double().pow(2).sum())
                                             for p in self.engine.module.parameters()))
@@ -63,13 +72,17 @@ TB_FAMILY = {"--tensorboard-log-interval": 2, "--no-log-learnig-rate-to-tensorbo
              "--log-batch-size-to-tensorboard": True, "--log-world-size-to-tensorboard": True}
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_params_norm_and_zeros_match_an_independent_count(tiny_data, tmp_path, capsys, bf16: bool) -> None:
+@pytest.mark.parametrize("bf16,native", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "bf16", "native-bf16"])
+def test_params_norm_and_zeros_match_an_independent_count(tiny_data, tmp_path, capsys, bf16: bool,
+                                                          native: bool) -> None:
+    """DeepSpeed's engine in fp32 and bf16, and the native engine (--use-distributed-optimizer) in bf16."""
     tb = tmp_path / "tb"
     argv = tiny_model_flags(tiny_data, **{"--train-iters": 4, "--log-interval": 4, "--tensorboard-dir": tb,
                                           "--log-params-norm": True, "--log-num-zeros-in-grad": True,
+                                          "--use-distributed-optimizer": native,
                                           "--bf16": bf16, "--peak-tflops": 1, **({} if bf16 else TB_FAMILY)})
-    seen = _measure(argv, bf16)
+    seen = _measure(argv, bf16, native)
     out = capsys.readouterr().out
     line = re.search(r"iteration +4/4 .*params norm ([\d.]+) \| num zeros (\d+) \|", out)
     assert line, out[-3000:]
@@ -105,8 +118,9 @@ def test_logging_flags_add_no_host_sync_on_quiet_steps(tiny_data) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"]],
-                         ids=["DP2-ZeRO-2", "TP2"])
+@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"],
+                                    ["--use-distributed-optimizer"]],
+                         ids=["DP2-ZeRO-2", "TP2", "DP2-native"])
 def test_params_norm_and_zeros_count_each_element_once_over_ranks(tiny_data, tmp_path, layout) -> None:
     """The same training at 2 ranks (data- or tensor-parallel) logs the 1-rank run's values: ZeRO
     partitions summed once, tensor-parallel replicas counted once."""

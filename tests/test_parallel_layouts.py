@@ -104,10 +104,25 @@ MATRIX = {  # layout name: (RunSpec layout fields, dp)
 }
 
 
+# Cases past the default tolerances from fp32 summation order alone (TP splits every GEMM's inner sum),
+# not from a wrong gradient: each step 1 grad norm agrees to fp32 rounding. Sandwich + z-loss amplifies
+# the difference 10-30x a step (TP 2: grad-norm differences 6.8e-8, 2.3e-6, 3.6e-5 at steps 1-3; one
+# process at micro-batch 1 or 4 instead of 2: 0, 2e-7 to 4e-7, 2.6e-6 to 3.9e-6). Hybrid at TP 2 (with
+# or without SP): grad norms within 4.3e-6, but AdamW turns near-zero gradient elements into lr-sized
+# steps, so single weights differ by 2.1e-4 (an embedding element; lr 2e-3). These get 10x the grad-norm
+# and weight tolerances and a first-step grad norm within 1e-6; with the attention out-norm's gain left
+# out of the SP reduction the sandwich DP 2 case still fails (grad norm 6.8e-4, weights 9.7e-3).
+# Measured 2026-12-05, the same at c6caab0.
+_SANDWICH_LAYOUTS = ("tp2", "tp2-sp-ckpt", "tp2-dp2-sp-zero2", "tp2-pp2-sp-ckpt")
+REORDERED = {**{(layout, "sandwich"): 10.0 for layout in _SANDWICH_LAYOUTS},
+             **{(layout, "hybrid"): 10.0 for layout in ("tp2", "tp2-sp-ckpt", "tp2-pp2-sp-ckpt")}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(MATRIX))
 def test_placement_layout_matrix(layout: str) -> None:
     """Every placement, with and without --qk-norm, 4 layers, 3 steps, at each layout."""
     fields, dp = MATRIX[layout]
-    spec = dict(steps=3, global_batch=4 * dp, **fields)
-    check_layouts_match_single_process(_placement_specs(ALL_MODELS, 4, **spec), dp=dp)
+    specs = _placement_specs(ALL_MODELS, 4, steps=3, global_batch=4 * dp, **fields)
+    slack = [REORDERED.get((layout, s.model["norm_position"]), 1.0) for s in specs]
+    check_layouts_match_single_process(specs, dp=dp, slack=slack)

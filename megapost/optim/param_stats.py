@@ -1,6 +1,6 @@
 """Megatron-LM's ``--log-params-norm`` and ``--log-num-zeros-in-grad``: each rank adds up the part of
-the fp32 masters / reduced gradients it owns (``megapost.optim.accessors.owned_master``, the Engine's
-``owned_grad``), one sum over all ranks gives the whole model's value. The local parts stay device
+the fp32 masters / reduced gradients it owns (the Engine's ``owned_state`` and ``owned_grad``; tensor-parallel
+replicas on TP rank 0 only), one sum over all ranks gives the whole model's value. The local parts stay device
 tensors (no host sync); the caller sums and reads them on logging steps only."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megapost.engine import Engine
-from megapost.optim.accessors import owned_master
+from megapost.engine import MASTER, Engine
 
 
 def _params(engine: Engine) -> list[torch.nn.Parameter]:
@@ -26,7 +25,8 @@ def local_zeros_in_grad(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Ten
 
 def local_params_sq(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Tensor:
     """Sum of squares (fp32 accumulation, returned fp64) of the fp32 master weights this rank owns."""
-    parts = [m for p in _params(engine) if (m := owned_master(p, tp_rank, dp_rank)) is not None]
+    owners = (p for p in _params(engine) if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+    parts = [owned[2][MASTER] for p in owners if (owned := engine.owned_state(p, ())) is not None]
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=_device(engine))
     return torch.stack([m.float().pow(2).sum() for m in parts]).sum().double()
