@@ -4,6 +4,7 @@
 #   make test-integration   the tests that start processes, ranks or trainer runs (CI runs it second)
 #   make test-slow          the long multi-rank runs (on demand, not in CI); tiers: docs/testing.md
 #   make golden             three real runs compared value for value with benchmarks/golden/golden.json
+#                           (GOLDEN_BASE=REV: with REV's runs recorded on this machine instead)
 #   make law                refit the delayed-collapse law from study/results (megapost-law fit; torch-free)
 # Variables: TORCH= skips the torch pin (GPU users bring their own CUDA torch); PYTHON=python3.11;
 #   ARGS="--train-iters 1000" (flags for the example); LAUNCHER="--master_port 29600" (flags for the
@@ -40,8 +41,9 @@ test-integration: install
 test-slow: install
 	$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS)
 
-golden: install  # a refactor must reproduce every value bit for bit (~4 min on 2 free cores)
-	$(PYTHON) benchmarks/golden/record.py $${GOLDEN_OUT:-/tmp/megapost-golden.json} --compare benchmarks/golden/golden.json
+golden: install  # a refactor must reproduce every value bit for bit (~4 min on 2 free cores; GOLDEN_BASE=REV: against REV run here)
+	$(PYTHON) benchmarks/golden/record.py $${GOLDEN_OUT:-/tmp/megapost-golden.json} \
+	  $(if $(GOLDEN_BASE),--base $(GOLDEN_BASE),--compare benchmarks/golden/golden.json)
 
 # the factor study's sweeps (failure to start; short runs, cosine): the boundary law's data, kept as shipped
 BOUNDARY_DATA := study/results/grid_w20/boundary.json $(addprefix study/results/,heads init length \

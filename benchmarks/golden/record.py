@@ -3,6 +3,12 @@ not change when code only moves (issue 17). Run from a checkout's root:
 
     python benchmarks/golden/record.py OUT.json            # record (the three launches, ~3-4 min)
     python benchmarks/golden/record.py OUT.json --compare benchmarks/golden/golden.json
+    python benchmarks/golden/record.py OUT.json --base REV  # against REV recorded here, now (~2x the time)
+
+CPUs round differently (oneDNN/MKL pick other kernels on AMX, AVX-512 or AVX2), so a recording compares
+bit for bit only with one made on the same kind of CPU. Each recording writes ``OUT.machine.json`` (the
+CPU) beside it; ``--compare`` names both CPUs when they differ, and ``--base REV`` records REV (a git
+worktree, its own ``megapost`` first on PYTHONPATH) on this machine and compares against that instead.
 
 Runs (all through the user's commands, with the collapse_metrics plugin at --log-interval 1):
   post40   bash examples/pretrain_postnorm.sh --train-iters 40            (the headline run, 1 rank)
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -58,21 +65,71 @@ def jsonl_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def record(out: Path) -> dict:
+def machine() -> dict[str, str]:
+    """The CPU whose kernels produced a recording: model name and the SIMD features that pick them."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    simd = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return {"cpu": model, "simd": ",".join(simd) or "none"}
+
+
+def _machine_file(recording: Path) -> Path:
+    return recording.with_name(recording.stem + ".machine.json")
+
+
+def record(out: Path, checkout: Path | None = None) -> dict:
+    """The three runs of ``checkout`` (default: this one) written to ``out`` with its machine file."""
     result = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if checkout is not None:  # its megapost before the installed one
+        env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
     for name, (cmd, flags) in RUNS.items():
         with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
             env["MEGAPOST_RUN_DIR"] = tmp
             proc = subprocess.run(cmd + flags + COMMON + ["--run-name", name], env=env, text=True,
-                                  capture_output=True, timeout=1200)
+                                  capture_output=True, timeout=1200, cwd=checkout)
             if proc.returncode != 0:
                 sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             run_dir = Path(tmp) / name
             result[name] = {"scalars": scalars(run_dir / "tensorboard"), "jsonl": jsonl_rows(run_dir)}
             print(f"{name}: {len(result[name]['scalars'])} tags, {len(result[name]['jsonl'])} jsonl rows")
     out.write_text(json.dumps(result, indent=0, sort_keys=True))
+    _machine_file(out).write_text(json.dumps(machine(), indent=1) + "\n")
     return result
+
+
+def record_base(rev: str, out: Path) -> dict:
+    """``rev``'s three runs on this machine, from a temporary git worktree (removed after)."""
+    with tempfile.TemporaryDirectory(prefix="golden-base-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+        try:
+            print(f"base {rev}:")
+            return record(out, checkout=tree)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def machine_note(reference: Path) -> str | None:
+    """One line when ``reference`` was recorded on another kind of CPU than this one, else None."""
+    path = _machine_file(reference)
+    if not path.exists():
+        return f"note: {path} is missing: the CPU that recorded {reference} is unknown"
+    then, now = json.loads(path.read_text()), machine()
+    if then == now:
+        return None
+    return (f"note: {reference} was recorded on {then['cpu']} ({then['simd']}); this machine is {now['cpu']} "
+            f"({now['simd']}): CPU kernels round differently, so values may differ without a code change; "
+            f"compare against the base commit recorded here: --base REV")
 
 
 def _flatten(tree, prefix=""):
@@ -109,8 +166,21 @@ def compare(new: dict, old: dict) -> int:
     return 1 if diffs or missing else 0
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1])
+def main(argv: list[str]) -> int:
+    target = Path(argv[0])
+    if "--base" in argv:
+        base = record_base(argv[argv.index("--base") + 1], target.with_name(target.stem + ".base.json"))
+        print("this checkout:")
+        return compare(record(target), base)
     new = record(target)
-    if "--compare" in sys.argv:
-        sys.exit(compare(new, json.loads(Path(sys.argv[sys.argv.index("--compare") + 1]).read_text())))
+    if "--compare" not in argv:
+        return 0
+    reference = Path(argv[argv.index("--compare") + 1])
+    status = compare(new, json.loads(reference.read_text()))
+    if (note := machine_note(reference)) is not None:
+        print(note)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
