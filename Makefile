@@ -1,5 +1,6 @@
 # The two quick-start commands; each one installs (quick and harmless when already installed) and runs.
-#   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus
+#   make train              deepspeed examples/pretrain_postnorm.sh on the embedded default corpus (the
+#                           launcher of PYTHON's environment, python -m deepspeed.launcher.runner: activated or not)
 #   make test               ruff check . && lint-imports && python -m pytest -q   (the unit tier; CI runs it first)
 #   make test-integration   the tests that start processes, ranks or trainer runs (CI runs it second)
 #   make test-slow          the long multi-rank runs (on demand, not in CI); tiers: docs/testing.md
@@ -28,7 +29,8 @@ endif
 train: install  # MASTER_PORT, else a free port (printed); LAUNCHER's --master_port wins over both
 	@port=$${MASTER_PORT:-$$($(PYTHON) -m megapost.utils.ports)}; echo "master port $$port (set MASTER_PORT to choose)"; \
 	accel=$$($(PYTHON) -c 'import megapost, os; print(os.environ["DS_ACCELERATOR"] if "DS_ACCELERATOR" in os.environ else "")'); \
-	env $${accel:+DS_ACCELERATOR=$$accel} deepspeed --master_port $$port $(LAUNCHER) examples/pretrain_postnorm.sh $(ARGS)
+	env $${accel:+DS_ACCELERATOR=$$accel} $(PYTHON) -m deepspeed.launcher.runner --master_port $$port $(LAUNCHER) \
+	  examples/pretrain_postnorm.sh $(ARGS)
 
 test: install
 	ruff check .

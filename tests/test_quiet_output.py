@@ -43,7 +43,16 @@ def test_one_accelerator_notice_per_launch(tiny_data) -> None:
     # make train names the accelerator for the launcher too: none at all (megapost's start line says CPU)
     dry = subprocess.run(["make", "-n", "train", "TORCH="], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
-    assert "DS_ACCELERATOR=$accel} deepspeed" in dry
+    assert "DS_ACCELERATOR=$accel} python -m deepspeed.launcher.runner" in dry
+
+
+def test_make_train_launches_with_the_chosen_interpreter() -> None:
+    """`make train PYTHON=venv/bin/python` runs that venv's deepspeed launcher without the venv activated
+    (a bare `deepspeed` was looked up on PATH: 'env: deepspeed: No such file or directory')."""
+    dry = subprocess.run(["make", "-n", "train", "TORCH=", "PYTHON=/opt/venv/bin/python"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    launch = next(line for line in dry.splitlines() if "--master_port $port" in line)
+    assert "/opt/venv/bin/python -m deepspeed.launcher.runner --master_port" in launch, dry
 
 
 def test_examples_never_write_over_tracked_figures() -> None:
