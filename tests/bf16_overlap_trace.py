@@ -108,23 +108,22 @@ def train(argv: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
     from step_patch import train_with_step
 
-    from megapost.optim.accessors import owned_master
+    from megapost.optim.param_stats import owned_master
     from megapost.parallel import full_state_dict
 
     out: dict[str, Any] = {"events": [], "buckets": []}
+    masters: dict[str, torch.Tensor] = {}
 
     def train_step(self: Any, original: Any, step: int) -> Any:
-        if step != TRACED:
-            return original(self, step)
-        return _traced_step(self, step, original, out)
+        result = original(self, step) if step != TRACED else _traced_step(self, step, original, out)
+        masters.clear()  # after each step: Trainer.close() destroys the engine and its fp32 fragments
+        for name, p in self.engine.module.named_parameters():
+            if (m := owned_master(self.engine, p, self.pstate.tp_rank)) is not None:
+                masters[name] = m.detach().clone()
+        return result
 
     trainer, history = train_with_step(argv, train_step)
     engine, pstate = trainer.engine.ds, trainer.pstate
-    masters = {}
-    for name, p in engine.module.named_parameters():
-        m = owned_master(p, pstate.tp_rank, pstate.dp_rank)
-        if m is not None:
-            masters[name] = m.detach().clone()
     steps = sorted(history["train_loss"])
     return {**out, "losses": [history["train_loss"][k] for k in steps],
             "grad_norms": [float(history["grad_norm"][k]) for k in steps],

@@ -23,10 +23,18 @@ def local_zeros_in_grad(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Ten
     return torch.stack([(g.numel() - torch.count_nonzero(g)).to(torch.float64) for g in parts]).sum()
 
 
+def owned_master(engine: Engine, param: torch.nn.Parameter, tp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s fp32 master this rank counts: of a tensor-parallel shard on every TP rank,
+    of a replicated parameter on TP rank 0 only; of those, the slice the engine's optimizer owns here."""
+    if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+        return None
+    owned = engine.owned_state(param, ())
+    return None if owned is None else owned[2][MASTER]
+
+
 def local_params_sq(engine: Engine, tp_rank: int, dp_rank: int) -> torch.Tensor:
     """Sum of squares (fp32 accumulation, returned fp64) of the fp32 master weights this rank owns."""
-    owners = (p for p in _params(engine) if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
-    parts = [owned[2][MASTER] for p in owners if (owned := engine.owned_state(p, ())) is not None]
+    parts = [m for p in _params(engine) if (m := owned_master(engine, p, tp_rank)) is not None]
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=_device(engine))
     return torch.stack([m.float().pow(2).sum() for m in parts]).sum().double()
