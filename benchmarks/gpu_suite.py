@@ -216,6 +216,7 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
             out.append(("head + loss memory, unfused vs chunked", 30, lambda: head_memory(o)))
             out.append(("add + RMSNorm, triton vs torch", 20, lambda: triton_op("norm", o)))
             out.append(("RoPE, triton vs torch ops", 20, lambda: triton_op("rope", o)))
+            out.append(("SwiGLU gate, triton vs torch ops", 20, lambda: triton_op("swiglu", o)))
         out.append((f"paper-180m --compile {micro}", 90, no_compile or (
             lambda shape=shape: measure(shape, ["--compile"], o))))
         out.append((f"paper-180m graphs {micro}", 100, no_graphs or (
@@ -264,15 +265,15 @@ def head_memory(o: argparse.Namespace) -> dict[str, Any]:
 def triton_op(op: str, o: argparse.Namespace) -> dict[str, Any]:
     """A Triton kernel against the path it replaces, forward + backward at the paper's shape, bf16, each
     path in a fresh process (benchmarks/triton_ops.py ``--op`` norm: one Post-Norm add + RMSNorm against
-    the add + torch's fused RMSNorm; rope: the packed q, k against megapost's RoPE Function and the
-    unfused expression; tiny, Triton in its CPU interpreter, in the dry run)."""
+    the add + torch's fused RMSNorm; rope, swiglu: the packed q, k or the packed W_1/W_3 output against
+    megapost's Function and the unfused expression; tiny, Triton in its CPU interpreter, in the dry run)."""
     import json
     import subprocess
     import tempfile
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_ops.py")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tiny = {"norm": "2,64,96", "rope": "2,16,4,64"}[op]
+    tiny = {"norm": "2,64,96", "rope": "2,16,4,64", "swiglu": "2,16,192"}[op]
     shape = ["--shape", tiny, "--iters", "2", "--warmup", "1"] if o.dry_run else []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "op.json")

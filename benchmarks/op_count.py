@@ -1,7 +1,8 @@
 """Aten ops dispatched per layer per micro-batch by megapost's real training step (forward + backward +
 the gradient-accumulation hooks), counted with ``megapost.utils.op_count.AtenOpCounter``.
 
-    python benchmarks/op_count.py [--json OUT] [--flags "--no-kernel-fusion"] [--device cpu|cuda]
+    python benchmarks/op_count.py [--json OUT] [--flags "--kernel-fusion none"] [--device cpu|cuda]
+        [--triton-interpret]
 
 One optimizer step of the real Trainer (DeepSpeed engine, bf16, synthetic batches) is counted at the
 paper's layer shape (width 512, 4 heads, FFN 1536: paper-180m's) for L in {1, 2} layers and m in {4, 8}
@@ -15,7 +16,10 @@ micro-batch size, so both are tiny (the default ``--seq 16 --micro 1``). With S(
 
 "compute" ops read or write data (one kernel each on a GPU); views and allocations are listed apart.
 On CPU some ops decompose differently than on CUDA (e.g. ``F.rms_norm`` is composite on CPU, one
-fused kernel on CUDA); ``--device cuda`` counts the CUDA dispatch.
+fused kernel on CUDA); ``--device cuda`` counts the CUDA dispatch. ``--triton-interpret`` runs each case
+with ``TRITON_INTERPRET=1``: the Triton kernels that replace ops on CUDA (add + RMSNorm, RoPE, the SwiGLU
+gate) then run on CPU in Triton's interpreter, so the count is the ops a CUDA step dispatches, but for
+the ops CPU and CUDA implement differently (attention's backward is one op on both).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def _fresh(layers: int, accum: int, o: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if o.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if o.triton_interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         sys.exit(f"op_count case L={layers} m={accum} failed:\n{proc.stderr[-3000:]}")
@@ -80,7 +86,8 @@ def summary(flags: str, o: argparse.Namespace) -> dict[str, Any]:
     meta_micro, _ = per_layer(cases, "metadata")
     one = {m: sum(cases[1, m]["compute"].values()) for m in (4, 8)}
     outside = (one[8] - one[4]) / 4 - sum(micro.values())
-    return {"flags": flags, "device": o.device, "shape": SHAPE, "seq": o.seq, "micro": o.micro,
+    return {"flags": flags, "device": o.device, "triton_interpret": o.triton_interpret, "shape": SHAPE,
+            "seq": o.seq, "micro": o.micro,
             "ops_per_layer_per_microbatch": sum(micro.values()),
             "ops_per_layer_per_step_fixed": sum(step.values()),
             "ops_per_microbatch_outside_layers": outside,
@@ -95,6 +102,8 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--triton-interpret", action="store_true",
+                   help="each case with TRITON_INTERPRET=1: the Triton kernels CUDA runs, on CPU (docstring)")
     p.add_argument("--json", help="write the summary here too")
     p.add_argument("--case", help=argparse.SUPPRESS)  # "layers,accum": one case, JSON on stdout
     o = p.parse_args()
@@ -104,7 +113,8 @@ def main() -> None:
         return
     result = summary(o.flags, o)
     r = result
-    print(f"flags {o.flags or '(defaults)'} on {o.device}: {r['ops_per_layer_per_microbatch']:g} compute ops "
+    where = f"{o.device}{' (Triton interpreted)' if o.triton_interpret else ''}"
+    print(f"flags {o.flags or '(defaults)'} on {where}: {r['ops_per_layer_per_microbatch']:g} compute ops "
           f"per layer per micro-batch (+{r['ops_per_layer_per_step_fixed']:g} per layer per step; "
           f"{r['metadata_ops_per_layer_per_microbatch']:g} view/metadata ops per layer per micro-batch; "
           f"{r['ops_per_microbatch_outside_layers']:g} per micro-batch outside the layers)")

@@ -4,16 +4,19 @@ each path in a fresh process. ``--op norm``: the residual add + RMSNorm of one P
 kernel, or apex's, on CUDA; ``--kernel-fusion none``), "triton" (``--kernel-fusion norm`` on CUDA) and,
 on CPU, "function" (the autograd Function replacing torch's composite). ``--op rope``: RoPE of the packed
 q and k (4 x 2048 x (4 + 4) heads x 128, a view of the Q/K/V GEMM's output): "torch" (the unfused
-expression), "function" (``megapost.kernels.rope``, the default before Triton) and "triton". Per path:
+expression), "function" (``megapost.kernels.rope``, the default before Triton) and "triton". ``--op
+swiglu``: the SwiGLU gate on the packed W_1/W_3 output (4 x 2048 x 2 * 1536): "torch" (``F.silu(h1) *
+h3``), "function" (``megapost.kernels.swiglu_packed``) and "triton". Per path:
 microseconds per forward + backward (after warm-up; host launch cost included: the paper's shape is
 launch-bound), kernels per call (torch.profiler on CUDA; aten compute ops on CPU), and the largest error
 of each output against the unfused path computed in fp32 (relative to the largest magnitude).
 
-    python benchmarks/triton_ops.py [--op norm|rope] [--shape ...] [--dtype bf16] [--paths ...]
+    python benchmarks/triton_ops.py [--op norm|rope|swiglu] [--shape ...] [--dtype bf16] [--paths ...]
         [--iters 100] [--device cuda|cpu] [--json OUT]
 
 On CPU the "triton" path runs in Triton's interpreter (``TRITON_INTERPRET=1`` in its process): a check
-that the path runs, its time means nothing. A path that cannot run here is a row with ``skipped``.
+that the path runs, its time means nothing (and its bf16 error is the interpreter's: it truncates fp32
+to bf16). A path that cannot run here is a row with ``skipped``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-SHAPES = {"norm": "4,2048,512", "rope": "4,2048,8,128"}
-PATHS = {"norm": "torch,triton", "rope": "torch,function,triton"}
+SHAPES = {"norm": "4,2048,512", "rope": "4,2048,8,128", "swiglu": "4,2048,3072"}
+PATHS = {"norm": "torch,triton", "rope": "torch,function,triton", "swiglu": "torch,function,triton"}
 
 
 def _rel(got: list[Any], want: list[Any], names: tuple[str, ...]) -> dict[str, float]:
@@ -97,22 +100,55 @@ def _rope_case(path: str, shape: list[int], device: Any, dtype: Any, gen: Any) -
     return step, reference
 
 
+def _swiglu_case(path: str, shape: list[int], device: Any, dtype: Any, gen: Any) -> tuple[Any, Any]:
+    """(step() -> [y, dh13], fp32 reference) for the SwiGLU gate on h13 [b, s, 2f]."""
+    import torch
+    import torch.nn.functional as F
+
+    from megapost.kernels import swiglu_packed, triton_swiglu
+
+    def unfused(h13: Any) -> Any:
+        h1, h3 = h13.chunk(2, dim=-1)
+        return F.silu(h1) * h3
+
+    h13 = (2 * torch.randn(*shape, generator=gen)).to(device, dtype).requires_grad_()
+    go = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen).to(device, dtype)
+    fn = {"torch": unfused, "function": swiglu_packed, "triton": triton_swiglu}[path]
+
+    def step() -> list[Any]:
+        h13.grad = None
+        y = fn(h13)
+        y.backward(go)
+        return [y.detach(), h13.grad]
+
+    def reference() -> list[Any]:
+        hs = h13.detach().float().requires_grad_()
+        y = unfused(hs)
+        y.backward(go.float())
+        return [y.detach(), hs.grad]
+
+    return step, reference
+
+
+CASES = {"norm": (_norm_case, ("out", "dx", "dh", "dg")), "rope": (_rope_case, ("y", "dx")),
+         "swiglu": (_swiglu_case, ("y", "dh13"))}
+
+
 def one_path(path: str, o: argparse.Namespace) -> dict[str, Any]:
     """Run ``path`` of ``o.op`` in this process (module docstring)."""
     import torch
     from suite_cases import kernels, sync
 
-    from megapost.kernels import norm_path, rope_path
+    from megapost.kernels import norm_path, rope_path, swiglu_path
 
     device = torch.device(o.device)
-    chosen = (norm_path if o.op == "norm" else rope_path)(device)
+    chosen = {"norm": norm_path, "rope": rope_path, "swiglu": swiglu_path}[o.op](device)
     if path == "triton" and chosen != "triton" or path == "function" and o.op == "norm" and chosen != path:
         return {"path": path, "skipped": f"{path} does not run on {device.type} here ({o.op}: {chosen})"}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[o.dtype]
-    case = _norm_case if o.op == "norm" else _rope_case
+    case, names = CASES[o.op]
     step, reference = case(path, [int(s) for s in o.shape.split(",")], device, dtype,
                            torch.Generator().manual_seed(0))
-    names = ("out", "dx", "dh", "dg") if o.op == "norm" else ("y", "dx")
     errors = _rel(step(), reference(), names)
     for _ in range(o.warmup):
         step()
@@ -153,11 +189,11 @@ def run(o: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", choices=("norm", "rope"), default="norm")
+    p.add_argument("--op", choices=tuple(SHAPES), default="norm")
     p.add_argument("--shape", help="norm: b,s,width (4,2048,512); rope: b,s,q+k heads,head dim "
-                                   "(4,2048,8,128)")
+                                   "(4,2048,8,128); swiglu: b,s,2 ffn (4,2048,3072)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    p.add_argument("--paths", help="norm: torch,triton; rope: torch,function,triton (the defaults)")
+    p.add_argument("--paths", help="norm: torch,triton; rope, swiglu: torch,function,triton (the defaults)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")

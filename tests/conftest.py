@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 _SUBJECTS = """the farmer|a young teacher|the old captain|my neighbour|the city council|a small company|the
 river guide|our best engineer|the quiet student|a travelling musician|the hospital director|every
@@ -147,3 +148,31 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
         texts=tuple(texts),
         shards=tuple(str(p) for p in shards),
     )
+
+
+@pytest.fixture
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter for this test only (``TRITON_INTERPRET=1``, read when a kernel is defined), with
+    torch's fp32 -> bf16 cast where the interpreter truncates, and numpy's sum for the kernels' ``_add``
+    reductions (tests/test_kernels_triton.py's docstring)."""
+    from triton.language import bfloat16, float32
+    from triton.runtime import interpreter as interp
+
+    convert = interp._convert_float
+
+    def rtne(data: np.ndarray, src: object, dst: object, rounding: object) -> np.ndarray:
+        if src == float32 and dst == bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+        return convert(data, src, dst, rounding)
+
+    monkeypatch.setattr(interp, "_convert_float", rtne)
+    from megapost.kernels import triton_kernels
+
+    reduce = interp.ReduceOps.apply_impl
+
+    def fast_sum(self: interp.ReduceOps, input: list) -> object:  # numpy's sum, as for tl.sum
+        return self.sum(input[0]) if self.combine_fn is triton_kernels._add else reduce(self, input)
+
+    monkeypatch.setattr(interp.ReduceOps, "apply_impl", fast_sum)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

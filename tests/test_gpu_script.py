@@ -19,7 +19,8 @@ from case_runner import load_resume, run_cases  # noqa: E402
 
 CASES = ["paper-180m eager 2x2", "paper-180m --kernel-fusion none 2x2",
          "head + loss memory, unfused vs chunked", "add + RMSNorm, triton vs torch",
-         "RoPE, triton vs torch ops", "paper-180m --compile 2x2", "paper-180m graphs 2x2",
+         "RoPE, triton vs torch ops", "SwiGLU gate, triton vs torch ops", "paper-180m --compile 2x2",
+         "paper-180m graphs 2x2",
          "collapse_metrics interval 1", "collapse_metrics interval 10", "real command (plugin interval 10)",
          "hf LlamaForCausalLM (peer)", "1.3b-width", "1.3b-width ckpt", "7b-width", "7b-width ckpt",
          "async save (paper-180m shape)"]  # and the planner's micro-batch cases, when it differs from 2
@@ -70,7 +71,8 @@ def test_gpu_sh_dry_run_from_a_fresh_clone_in_a_fresh_venv(tmp_path) -> None:
     assert rows["paper-180m --kernel-fusion none 2x2"]["auto_over_none"] > 0
     assert 0 < rows["head + loss memory, unfused vs chunked"]["head_chunked_over_unfused"] < 10
     for case, base in [("add + RMSNorm, triton vs torch", "torch"),
-                       ("RoPE, triton vs torch ops", "function")]:
+                       ("RoPE, triton vs torch ops", "function"),
+                       ("SwiGLU gate, triton vs torch ops", "function")]:
         paths = {r["path"]: r for r in rows[case]["triton_op"]["rows"]}  # triton: in its interpreter
         assert paths[base]["ops_per_call"] > paths["triton"]["ops_per_call"] > 0
     assert rows["collapse_metrics interval 10"]["overhead"] is not None  # the plugin loaded, from the clone

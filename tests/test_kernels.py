@@ -94,10 +94,11 @@ def _tiny(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _model_step(cfg: ModelConfig, spec: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _model_step(cfg: ModelConfig, spec: str, dtype: torch.dtype,
+                triton: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(dtype)
-    set_kernel_fusion(model, parse_fusion(spec))
+    set_kernel_fusion(model, parse_fusion(spec, triton))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     logits = model(tokens)
     logits.float().square().mean().backward()

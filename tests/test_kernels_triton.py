@@ -3,8 +3,8 @@ on CPU tensors in Triton's interpreter, against autograd's graph of ``x * scale 
 ``F.rms_norm``: the forward and every gradient, fp32 and bf16, alone and inside Post-Norm and Pre-Norm
 models; one dispatched op each way; the path chosen in one place.
 
-``TRITON_INTERPRET=1`` is set per test (the ``interpreter`` fixture, undone after it): Triton reads it
-when a kernel is defined, and triton_norm defines its kernels per state of it (and uses none of
+``TRITON_INTERPRET=1`` is set per test (conftest.py's ``interpreter`` fixture, undone after it): Triton
+reads it when a kernel is defined, and triton_norm defines its kernels per state of it (and uses none of
 triton.language's own jitted helpers, which are fixed at its import). The interpreter casts
 fp32 to bf16 by truncation (and its "rtne" mode does not carry into the exponent); a GPU rounds to
 nearest even, as torch does, so the fixture gives the interpreter torch's cast for that one conversion,
@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_kernels import _model_step as model_step
 
-from megapost.kernels import norm_path, rope, triton_add_rms_norm, triton_common, triton_rope
+from megapost.kernels import norm_path, rope, triton_add_rms_norm, triton_common, triton_rope, triton_rope_qkv
 from megapost.model import LlamaModel, ModelConfig
 from megapost.model.fusion import parse_fusion, set_kernel_fusion
 from megapost.model.norm import RMSNorm
@@ -38,32 +37,6 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7}
 # (rows..., hidden): a row tile and the last tile partial; hidden not a power of two; several backward
 # programs each striding over several tiles (the dg partials)
 SHAPES = [(3, 5, 48), (7, 96), (37, 200), (2, 50, 320), (130, 512)]
-
-
-@pytest.fixture
-def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton's interpreter for this test only, with torch's fp32 -> bf16 cast (module docstring)."""
-    from triton.language import bfloat16, float32
-    from triton.runtime import interpreter as interp
-
-    convert = interp._convert_float
-
-    def rtne(data: np.ndarray, src: object, dst: object, rounding: object) -> np.ndarray:
-        if src == float32 and dst == bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
-            return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
-        return convert(data, src, dst, rounding)
-
-    monkeypatch.setattr(interp, "_convert_float", rtne)
-    from megapost.kernels import triton_kernels
-
-    reduce = interp.ReduceOps.apply_impl
-
-    def fast_sum(self: interp.ReduceOps, input: list) -> object:  # numpy's sum, as for tl.sum
-        return self.sum(input[0]) if self.combine_fn is triton_kernels._add else reduce(self, input)
-
-    monkeypatch.setattr(interp.ReduceOps, "apply_impl", fast_sum)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -224,13 +197,45 @@ def test_triton_rope_matches_the_fused_and_unfused_rope(interpreter: None, dtype
     assert _rel(y, want_y) <= TOL[dtype] and _rel(dx, want_dx) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("nq, nk", [(3, 3), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_qkv_equals_split_and_rope(interpreter: None, nq: int, nk: int,
+                                               dtype: torch.dtype) -> None:
+    """From the packed Q/K/V output: q, k rotated and v as split + ``triton_rope`` give them, bit for bit;
+    the packed gradient from SDPA-layout (transposed) output gradients, bit for bit, in one op."""
+    gen = torch.Generator().manual_seed(nq)
+    b, s, d = 2, 7, 48
+    qkv = torch.randn(b, s, nq + 2 * nk, d, generator=gen).to(dtype)
+    cos, sin = rope_cache(s, d, 10000.0, torch.device("cpu"))
+    cos, ssin = (t.unsqueeze(1) for t in rope_tables(cos, sin, dtype))
+    grads = [torch.randn(b, n, s, d, generator=gen).to(dtype) for n in (nq, nk, nk)]  # [b, heads, s, d]
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, object]:
+        x = qkv.clone().requires_grad_()
+        if fused:
+            outs = triton_rope_qkv(x, nq, nk, cos, ssin)
+        else:
+            qk, v = x.split((nq + nk, nk), dim=2)
+            outs = [*triton_rope(qk, cos, ssin).split((nq, nk), dim=2), v]
+        outs = [t.transpose(1, 2) for t in outs]
+        ops = count_ops(lambda: torch.autograd.backward(outs, grads))
+        return [t.detach() for t in outs], x.grad, ops
+
+    (got, got_dx, ops), (want, want_dx, _) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and torch.equal(got_dx, want_dx)
+    assert dict(ops.by_name) == {"megapost.rope_qkv_backward": 1}
+
+
 @pytest.mark.parametrize("kw, calls", [({}, 1), ({"qk_norm": True}, 2)])
 def test_a_model_with_the_triton_rope_matches_unfused(interpreter: None, kw: dict, calls: int) -> None:
-    """bf16 under auto: q and k rotated by one call on the packed GEMM's output per layer (two where
-    qk-norm unpacks them), one op each way; logits and every gradient as with the unfused path."""
+    """bf16 under auto: q and k rotated by one call on the packed GEMM's output per layer, its backward one
+    op writing the packed gradient; where qk-norm unpacks them, q and k one call each way
+    each; logits and every gradient as with the unfused path."""
     cfg = ModelConfig(**{**_cfg("post").__dict__, **kw})
     ops = count_ops(lambda: model_step(cfg, "auto", torch.bfloat16))
-    assert ops.by_name["megapost.rope"] == 2 * calls * cfg.num_layers  # forward and backward
+    packed = calls == 1
+    assert ops.by_name["megapost.rope"] == (1 if packed else 4) * cfg.num_layers
+    assert ops.by_name["megapost.rope_qkv_backward"] == (cfg.num_layers if packed else 0)
     want, want_g = model_step(cfg, "none", torch.bfloat16)
     got, got_g = model_step(cfg, "auto", torch.bfloat16)
     assert _rel(got, want) <= 2e-2 and all(_rel(a, b) <= 2e-2 for a, b in zip(got_g, want_g, strict=True))

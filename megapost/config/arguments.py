@@ -112,6 +112,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="fused kernels (docs/kernels.md): auto = those bit-identical in fp32 always, packed "
                         "QKV and W1/W3 GEMMs and the chunked head + loss when not fp32; none; or a comma "
                         "list of rope, qkv, w13, swiglu, grad-accum, norm, ce")
+    g.add_argument("--no-triton-kernels", dest="triton_kernels", action="store_false",
+                   help="on CUDA, run the norm, rope and swiglu fusions as torch ops, not as their Triton "
+                        "kernels (docs/kernels.md)")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

@@ -148,6 +148,7 @@ class RuntimeConfig:
     iterations_to_skip: tuple[int, ...] = ()  # Megatron-LM's --iterations-to-skip
     max_consecutive_skipped_iterations: int = 10
     kernel_fusion: str = "auto"  # --kernel-fusion (megapost.model.fusion.parse_fusion)
+    triton_kernels: bool = True  # --no-triton-kernels: False
     manual_gc: bool = False  # Megatron's --manual-gc (megapost.train.manual_gc)
     manual_gc_interval: int = 0
 
@@ -287,7 +288,8 @@ def _runtime(a: argparse.Namespace) -> RuntimeConfig:
         exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
         deepspeed_config=a.deepspeed_config, iterations_to_skip=tuple(a.iterations_to_skip),
         max_consecutive_skipped_iterations=a.max_consecutive_skipped_iterations,
-        kernel_fusion=getattr(a, "kernel_fusion", "auto"), manual_gc=bool(getattr(a, "manual_gc", False)),
+        kernel_fusion=getattr(a, "kernel_fusion", "auto"), triton_kernels=getattr(a, "triton_kernels", True),
+        manual_gc=bool(getattr(a, "manual_gc", False)),
         manual_gc_interval=getattr(a, "manual_gc_interval", 0))
 
 

@@ -1,5 +1,5 @@
-"""What the Triton kernels (``triton_norm``, ``triton_rope``) share: whether Triton imports, whether it
-runs on a device, and the kernels jitted on first use.
+"""What the Triton kernels (``triton_norm``, ``triton_rope``, ``triton_swiglu``) share: whether Triton
+imports, whether it runs on a device, and the kernels jitted on first use.
 
 Triton is optional. Its kernels run on CUDA, and on CPU tensors in Triton's interpreter
 (``TRITON_INTERPRET=1``), which Triton reads when a kernel is defined: ``jitted`` defines each kernel per
@@ -35,17 +35,19 @@ def runs_on(device: torch.device) -> bool:
     return (device.type == "cuda" or interpreted()) and available() is not None
 
 
-def triton_note(device: torch.device, names: list[str]) -> str | None:
-    """The start-up line of the ``--kernel-fusion`` fusions ``names`` (of "norm", "rope") that have a
-    Triton kernel, on ``device``; None without any."""
+def triton_note(device: torch.device, names: list[str], enabled: bool = True) -> str | None:
+    """The start-up line of the ``--kernel-fusion`` fusions ``names`` (of "norm", "rope", "swiglu") that
+    have a Triton kernel, on ``device`` (``enabled`` False: ``--no-triton-kernels``); None without any."""
     if not names:
         return None
     flag = f"--kernel-fusion {', '.join(names)}"
+    if not enabled:
+        return f"{flag}: torch ops on {device.type} (--no-triton-kernels)"
     if runs_on(device):
         return (f"{flag}: Triton kernels on {device.type} (triton {available()}; under auto only when not "
                 "fp32: not bit-identical)")
     return (f"{flag}: triton does not import, so on {device.type} the residual add stays apart from torch's "
-            "(or apex's) fused RMSNorm and RoPE runs as torch ops")
+            "(or apex's) fused RMSNorm, and RoPE and the SwiGLU gate run as torch ops")
 
 
 def jitted(name: str) -> Any:

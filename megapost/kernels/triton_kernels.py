@@ -1,6 +1,6 @@
-"""The Triton kernels of ``megapost.kernels.triton_norm`` and ``triton_rope`` as plain functions
-(imported, and jitted by ``triton_common.jitted``, only when Triton is used; no ``from __future__ import
-annotations``: Triton reads the annotations).
+"""The Triton kernels of ``megapost.kernels.triton_norm``, ``triton_rope`` and ``triton_swiglu`` as plain
+functions (imported, and jitted by ``triton_common.jitted``, only when Triton is used; no ``from
+__future__ import annotations``: Triton reads the annotations).
 
 Sums are ``tl.reduce`` with this module's ``_add`` (not ``tl.sum``), zeros ``tl.full`` (not
 ``tl.zeros``): triton.language's jitted helpers are fixed when it is imported, so under
@@ -103,3 +103,70 @@ def rope_rows(X, COS, SSIN, Y, R, S, H, sxb, sxs, sxh, HALF, BACKWARD: tl.conste
     out = rows[:, None] * 2 * HALF + cols[None, :]
     tl.store(Y + out, y1.to(dt), mask=mask)
     tl.store(Y + out + HALF, y2.to(dt), mask=mask)
+
+
+def swiglu_fwd(H, Y, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Y [M, F] = round(round(silu(h1)) h3) for the rows [h1 | h3] of H [M, 2F] (contiguous): torch's
+    ``F.silu(h1) * h3``, each op in fp32 and rounded to the storage dtype."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    at = rows[:, None] * 2 * F + cols[None, :]
+    h1 = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
+    h3 = tl.load(H + at + F, mask=mask, other=0.0).to(tl.float32)
+    dt = Y.dtype.element_ty
+    s = (h1 / (1.0 + tl.exp(-h1))).to(dt).to(tl.float32)
+    tl.store(Y + rows[:, None] * F + cols[None, :], (s * h3).to(dt), mask=mask)
+
+
+def swiglu_bwd(H, G, D, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """D [M, 2F] = [dh1 | dh3] for the output gradient G [M, F]: dh3 = round(g round(silu(h1))),
+    dh1 = torch's ``silu_backward(round(g h3), h1)`` = round(g h3) sig (1 + h1 (1 - sig))."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    at = rows[:, None] * 2 * F + cols[None, :]
+    h1 = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
+    h3 = tl.load(H + at + F, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dt = D.dtype.element_ty
+    sig = 1.0 / (1.0 + tl.exp(-h1))
+    s = (h1 / (1.0 + tl.exp(-h1))).to(dt).to(tl.float32)
+    gh3 = (g * h3).to(dt).to(tl.float32)
+    tl.store(D + at, (gh3 * sig * (1.0 + h1 * (1.0 - sig))).to(dt), mask=mask)
+    tl.store(D + at + F, (g * s).to(dt), mask=mask)
+
+
+def rope_qkv_bwd(DQ, DK, DV, COS, SSIN, Y, R, S, NQ, NK, qb, qs, qh, kb, ks, kh, vb, vs, vh, HALF,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The packed Q/K/V gradient Y [B, S, NQ + 2 NK, 2 HALF] (contiguous) from dq [B, S, NQ, .], dk and
+    dv [B, S, NK, .] (any strides, the last 1): q's and k's heads rotated back as ``rope_rows``'
+    backward, v's copied. Each row reads one source (masked loads of the other two)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    heads = NQ + 2 * NK
+    h = rows % heads
+    s = (rows // heads) % S
+    b = rows // (S * heads)
+    mask = (rows[:, None] < R) & (cols[None, :] < HALF)
+    in_q = (h < NQ)[:, None] & mask
+    in_k = ((h >= NQ) & (h < NQ + NK))[:, None] & mask
+    in_v = (h >= NQ + NK)[:, None] & mask
+    at_q = (b * qb + s * qs + tl.minimum(h, NQ - 1) * qh)[:, None] + cols[None, :]
+    at_k = (b * kb + s * ks + tl.minimum(tl.maximum(h - NQ, 0), NK - 1) * kh)[:, None] + cols[None, :]
+    at_v = (b * vb + s * vs + tl.maximum(h - NQ - NK, 0) * vh)[:, None] + cols[None, :]
+    x1 = (tl.load(DQ + at_q, mask=in_q, other=0.0) + tl.load(DK + at_k, mask=in_k, other=0.0)
+          + tl.load(DV + at_v, mask=in_v, other=0.0)).to(tl.float32)
+    x2 = (tl.load(DQ + at_q + HALF, mask=in_q, other=0.0) + tl.load(DK + at_k + HALF, mask=in_k, other=0.0)
+          + tl.load(DV + at_v + HALF, mask=in_v, other=0.0)).to(tl.float32)
+    tab = (s * 2 * HALF)[:, None] + cols[None, :]
+    c1 = tl.load(COS + tab, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SSIN + tab, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SSIN + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = Y.dtype.element_ty
+    y1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
+    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s1).to(dt).to(tl.float32)
+    out = rows[:, None] * 2 * HALF + cols[None, :]
+    tl.store(Y + out, tl.where(in_v, x1, y1).to(dt), mask=mask)
+    tl.store(Y + out + HALF, tl.where(in_v, x2, y2).to(dt), mask=mask)

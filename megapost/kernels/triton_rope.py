@@ -64,3 +64,56 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     tables = [t.reshape(-1, dim).contiguous() for t in (cos, signed_sin)]
     y = _TritonRope.apply(rows, *tables)
     return y.transpose(1, 2) if heads_first else y
+
+
+@torch.library.custom_op("megapost::rope_qkv_backward", mutates_args=())
+def _rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                          signed_sin: torch.Tensor) -> torch.Tensor:
+    """The packed [B, S, heads + 2 groups, D] gradient of ``triton_rope_qkv``'s input from its outputs'
+    gradients (any strides, the last 1): q's and k's rotated back, v's copied; contiguous."""
+    dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
+    bsz, seq, nq, dim = dq.shape
+    nk = dk.shape[2]
+    y = torch.empty((bsz, seq, nq + 2 * nk, dim), dtype=dq.dtype, device=dq.device)
+    rows = bsz * seq * (nq + 2 * nk)
+    block_d = 1 << max(0, (dim // 2 - 1).bit_length())
+    block_r = max(1, min(32, 2048 // block_d))
+    strides = [st for t in (dq, dk, dv) for st in t.stride()[:3]]
+    jitted("rope_qkv_bwd")[(cdiv(rows, block_r),)](
+        dq, dk, dv, cos, signed_sin, y, rows, seq, nq, nk, *strides, dim // 2, BLOCK_R=block_r,
+        BLOCK_D=block_d)
+    return y
+
+
+@_rope_qkv_backward_op.register_fake
+def _(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+      signed_sin: torch.Tensor) -> torch.Tensor:
+    bsz, seq, nq, dim = dq.shape
+    return dq.new_empty((bsz, seq, nq + 2 * dk.shape[2], dim))
+
+
+class _TritonRopeQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, nq: int, nk: int, cos: torch.Tensor,
+                signed_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(cos, signed_sin)
+        qk = torch.ops.megapost.rope(qkv.narrow(2, 0, nq + nk), cos, signed_sin, False)
+        q, k = qk.split((nq, nk), dim=2)
+        return q, k, qkv.narrow(2, nq + nk, nk)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, signed_sin = ctx.saved_tensors
+        return torch.ops.megapost.rope_qkv_backward(dq, dk, dv, cos, signed_sin), None, None, None, None
+
+
+def triton_rope_qkv(qkv: torch.Tensor, nq: int, nk: int, cos: torch.Tensor,
+                    signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) [b, s, heads, d] from the packed [b, s, nq + 2 nk, d] Q/K/V GEMM output, q and k
+    rotated (tables [s, 1, d]) by one ``megapost::rope``, v a view; backward one
+    ``megapost::rope_qkv_backward`` writing the packed gradient (where split, rope and split dispatch
+    two ``cat``s and a rope). Bit-identical to ``triton_rope`` on the packed q, k."""
+    tables = [t.reshape(-1, qkv.shape[-1]).contiguous() for t in (cos, signed_sin)]
+    return _TritonRopeQKV.apply(qkv, nq, nk, *tables)
+

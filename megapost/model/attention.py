@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapost.kernels import packed_linear, rope, rope_path, triton_rope
+from megapost.kernels import packed_linear, rope, rope_path, triton_rope, triton_rope_qkv
 from megapost.model.config import ModelConfig
 from megapost.model.fusion import Fusion, packable_weights
 from megapost.model.norm import RMSNorm
@@ -74,45 +74,69 @@ class Attention(nn.Module):
         cos, signed_sin = self._rope_by_dtype[dtype]
         return cos[:seq], signed_sin[:seq]
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v as [b, heads, s, d_h] views, and the packed [b, s, heads + groups, d_h] view of q and
-        k when one GEMM made them (else None)."""
-        b, s, _ = x.shape
+    def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+        """(the [b, s, heads + 2 groups, d_h] output of one Q/K/V GEMM, heads, groups) where ``qkv``
+        fusion packs them, else None."""
         eager = not torch.compiler.is_compiling()
         weights = packable_weights(self.wq, self.wk, self.wv) if eager and self.fusion.on("qkv", x.dtype) \
             else None
         if weights is None:
+            return None
+        qkv = packed_linear(x, weights).view(*x.shape[:2], -1, self.head_dim)
+        return qkv, weights[0].shape[0] // self.head_dim, weights[1].shape[0] // self.head_dim
+
+    def _project(self, x: torch.Tensor,
+                 packed: tuple[torch.Tensor, int, int] | None) -> tuple[torch.Tensor | None, ...]:
+        """q, k, v as [b, heads, s, d_h] views, and the packed [b, s, heads + groups, d_h] view of q and
+        k when one GEMM made them (``packed``; else None)."""
+        b, s, _ = x.shape
+        if packed is None:
             def heads(t: torch.Tensor) -> torch.Tensor:
                 return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
             return heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), None
-        qkv = packed_linear(x, weights).view(b, s, -1, self.head_dim)
-        nq, nk = weights[0].shape[0] // self.head_dim, weights[1].shape[0] // self.head_dim
+        qkv, nq, nk = packed
         qk, v = qkv.split((nq + nk, nk), dim=2)  # one split: its backward is one cat of both gradients
         q, k = qk.split((nq, nk), dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qk
+
+    def _triton_rope(self, x: torch.Tensor) -> bool:
+        """Whether RoPE runs as the Triton kernel (``rope_path``; under auto not in fp32)."""
+        return (not torch.compiler.is_compiling() and rope_path(x.device) == "triton"
+                and self.fusion.triton_on("rope", x.dtype))
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """RoPE of q and k: one fused call on the packed ``qk`` when there is one, else one each."""
         cos, signed_sin = self._rope_tables(q.shape[2], q.device, q.dtype)
         if torch.compiler.is_compiling() or not self.fusion.on("rope", q.dtype):
             return apply_rope_tables(q, cos, signed_sin), apply_rope_tables(k, cos, signed_sin)
-        triton = rope_path(q.device) == "triton" and self.fusion.on("rope", q.dtype, exact=False)
-        fused = triton_rope if triton else rope
+        fused = triton_rope if self._triton_rope(q) else rope
         if qk is None:
             return fused(q, cos, signed_sin), fused(k, cos, signed_sin)
         qk = fused(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))  # [b, s, heads + groups, d_h]
         q, k = qk.split((q.shape[1], k.shape[1]), dim=2)  # split, not slices: one cat in backward
         return q.transpose(1, 2), k.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v, qk = self._project(x)
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v as [b, heads, s, d_h], after the head norms and RoPE. The packed GEMM's output without
+        head norms, with the Triton RoPE: one op each way from it (``triton_rope_qkv``: the backward
+        writes the packed gradient, no ``cat``)."""
+        packed = self._packed(x)
+        if packed is not None and self.q_norm is None and self.v_norm is None and self._triton_rope(x):
+            cos, signed_sin = self._rope_tables(x.shape[1], x.device, x.dtype)
+            qkv = triton_rope_qkv(*packed, cos.unsqueeze(1), signed_sin.unsqueeze(1))
+            return tuple(t.transpose(1, 2) for t in qkv)
+        q, k, v, qk = self._project(x, packed)
         if self.q_norm is not None:
             q, k, qk = self.q_norm(q), self.k_norm(k), None
         if self.v_norm is not None:
             v = self.v_norm(v)
         q, k = self._rotate(q, k, qk)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x)
         n_rep = q.shape[1] // k.shape[1]
         out = grouped_sdpa(q, k, v, n_rep)
         if self.prefix_alpha:

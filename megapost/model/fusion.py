@@ -25,9 +25,11 @@ EXACT_IN_FP32 = frozenset({"rope", "swiglu", "grad-accum", "norm"})
 
 @dataclass(frozen=True)
 class Fusion:
-    """``names`` None: "auto" (module docstring); else exactly these fusions."""
+    """``names`` None: "auto" (module docstring); else exactly these fusions. ``triton`` False
+    (``--no-triton-kernels``): no Triton kernel, the fusions' torch paths."""
 
     names: frozenset[str] | None = None
+    triton: bool = True
 
     def on(self, name: str, dtype: torch.dtype | None = None, exact: bool | None = None) -> bool:
         """Whether fusion ``name`` runs for activations of ``dtype``; ``exact`` False: this
@@ -37,14 +39,20 @@ class Fusion:
         exact = name in EXACT_IN_FP32 if exact is None else exact
         return exact or (dtype is not None and dtype != torch.float32)
 
+    def triton_on(self, name: str, dtype: torch.dtype | None = None) -> bool:
+        """Whether fusion ``name`` runs as its Triton kernel where one runs (not bit-identical: under
+        "auto" not in fp32)."""
+        return self.triton and self.on(name, dtype, exact=False)
+
     def __str__(self) -> str:
         return "auto" if self.names is None else ",".join(sorted(self.names)) or "none"
 
 
-def parse_fusion(spec: str) -> Fusion:
-    """``--kernel-fusion`` "auto", "none" or a comma list of ``FUSIONS``; ValueError names the flag."""
+def parse_fusion(spec: str, triton: bool = True) -> Fusion:
+    """``--kernel-fusion`` "auto", "none" or a comma list of ``FUSIONS`` (``triton``: False for
+    ``--no-triton-kernels``); ValueError names the flag."""
     if spec == "auto":
-        return Fusion()
+        return Fusion(triton=triton)
     names = frozenset() if spec == "none" else frozenset(n.strip() for n in spec.split(",") if n.strip())
     unknown = sorted(names - set(FUSIONS))
     if unknown:
@@ -52,7 +60,7 @@ def parse_fusion(spec: str) -> Fusion:
                          f"of {', '.join(FUSIONS)}")
     if "swiglu" in names and "w13" not in names:
         raise ValueError("--kernel-fusion: swiglu works on the packed W_1/W_3 output; add w13")
-    return Fusion(names)
+    return Fusion(names, triton)
 
 
 def set_kernel_fusion(module: nn.Module, fusion: Fusion) -> int:

@@ -1,5 +1,5 @@
 """SwiGLU feed-forward: (SiLU(x W_1) * (x W_3)) W_2; W_1 and W_3 as one GEMM and the gate as one fused
-Function where ``fusion`` says so (megapost.model.fusion)."""
+Function (on CUDA a Triton kernel) where ``fusion`` says so (megapost.model.fusion)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapost.kernels import packed_linear, swiglu_packed
+from megapost.kernels import packed_linear, swiglu_packed, swiglu_path, triton_swiglu
 from megapost.model.config import ModelConfig
 from megapost.model.fusion import Fusion, packable_weights
 
@@ -28,6 +28,7 @@ class SwiGLU(nn.Module):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         h13 = packed_linear(x, weights)  # [..., 2f]: this rank's W_1 rows, then its W_3 rows
         if self.fusion.on("swiglu", x.dtype):
-            return self.w2(swiglu_packed(h13))
+            triton = swiglu_path(h13.device) == "triton" and self.fusion.triton_on("swiglu", x.dtype)
+            return self.w2((triton_swiglu if triton else swiglu_packed)(h13))
         h1, h3 = h13.chunk(2, dim=-1)
         return self.w2(F.silu(h1) * h3)

@@ -40,9 +40,9 @@ class RMSNorm(nn.Module):
         if torch.compiler.is_compiling():
             return None
         path = norm_path(x.device)
-        if path == "torch" or not self.fusion.on("norm", x.dtype, exact=path == "function"):
-            return None
-        return path
+        if path == "triton":
+            return path if self.fusion.triton_on("norm", x.dtype) else None
+        return path if path == "function" and self.fusion.on("norm", x.dtype) else None
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
                 scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

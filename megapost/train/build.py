@@ -21,7 +21,7 @@ from megapost.checkpoint.folder import last_complete
 from megapost.config import launches
 from megapost.config.errors import ConfigError
 from megapost.config.megatron_habits import init_summary
-from megapost.config.resolved import BatchConfig, Config, DataConfig, OptimizerConfig, resolve
+from megapost.config.resolved import BatchConfig, Config, DataConfig, OptimizerConfig, RuntimeConfig, resolve
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
@@ -123,6 +123,11 @@ def build_engine(config: Config, user_ds: dict[str, Any], model: torch.nn.Module
     return engine, ds_config, reduce_notes
 
 
+def kernel_fusion(run: RuntimeConfig) -> Fusion:
+    """The model's fused kernels: ``--kernel-fusion`` and ``--no-triton-kernels``."""
+    return parse_fusion(run.kernel_fusion, triton=run.triton_kernels)
+
+
 def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None,
           faults: FaultInjector = NO_FAULTS, progress: interrupts.Progress | None = None) -> Trainer:
     """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's;
@@ -154,13 +159,13 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
         model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                      checkpoint_num_layers=run.checkpoint_num_layers,
                                      z_loss=config.optimizer.z_loss)
-    fusion = parse_fusion(run.kernel_fusion)
+    fusion = kernel_fusion(run)
     set_kernel_fusion(model, fusion)
     if (fusion.names and "ce" in fusion.names and pstate.is_logging_rank
             and (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1)):
         print("--kernel-fusion ce: the unfused head and loss under tensor or pipeline parallelism (the "
               "chunked head + cross-entropy runs at TP 1, PP 1; docs/kernels.md)")
-    note = triton_note(device, [n for n in ("norm", "rope") if fusion.on(n)])
+    note = triton_note(device, [n for n in ("norm", "rope", "swiglu") if fusion.on(n)], fusion.triton)
     if device.type != "cpu" and note and pstate.is_logging_rank:  # the paths chosen there
         print(note)
     if run.compile:
