@@ -127,6 +127,8 @@ def _extra(r: dict[str, Any]) -> str:
         extra.append(f"overhead {100 * r['overhead']:+.1f}%")
     if r.get("auto_over_none") is not None:
         extra.append(f"auto/none tokens/s {r['auto_over_none']:.3f}")
+    if r.get("triton_over_torch_paths") is not None:
+        extra.append(f"Triton/torch paths tokens/s {r['triton_over_torch_paths']:.3f}")
     if r.get("head_chunked_over_unfused") is not None:
         extra.append(f"head peak bytes chunked/unfused {r['head_chunked_over_unfused']:.3f}")
     if r.get("triton_op") is not None:
@@ -238,6 +240,8 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
             shape = (TINY if o.dry_run else FULL)[width]
             out.append((f"{width}{' ckpt' if ckpt else ''}", 20, lambda w=shape, c=ckpt: measure(w, c, o)))
     out.append(("async save (paper-180m shape)", 60, lambda: async_save(paper, o)))
+    out.append((f"paper-180m --no-triton-kernels {paper[6]}x{paper[7]}", 50,
+                lambda: measure(paper, ["--no-triton-kernels"], o)))
     return out
 
 
@@ -287,12 +291,15 @@ def triton_op(op: str, o: argparse.Namespace) -> dict[str, Any]:
 
 def derive(rows: list[dict[str, Any]]) -> None:
     """Figures across rows: the plugin's overhead over eager 4 x 8, the real command over the benchmark,
-    the fused kernels' speed-up (eager, i.e. --kernel-fusion auto, over none)."""
+    the fused kernels' speed-up (eager, i.e. --kernel-fusion auto, over none) and the Triton kernels'
+    (eager over --no-triton-kernels)."""
     eager = next((r for r in rows if r["case"].startswith("paper-180m eager") and "s_per_step" in r), None)
     bench = row_by_case(rows, "collapse_metrics interval 10")
     for r in rows:
         if r["case"].startswith("paper-180m --kernel-fusion none") and eager and "tokens_per_s" in r:
             r["auto_over_none"] = eager["tokens_per_s"] / r["tokens_per_s"]
+        if r["case"].startswith("paper-180m --no-triton-kernels") and eager and "tokens_per_s" in r:
+            r["triton_over_torch_paths"] = eager["tokens_per_s"] / r["tokens_per_s"]
         if r["case"].startswith("collapse_metrics") and eager and "s_per_step" in r:
             r["overhead"] = r["s_per_step"] / eager["s_per_step"] - 1.0
         if r["case"].startswith("real command") and bench and "tokens_per_s" in r:

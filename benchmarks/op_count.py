@@ -59,7 +59,7 @@ def count_case(layers: int, accum: int, o: argparse.Namespace) -> dict[str, Any]
 
 def _fresh(layers: int, accum: int, o: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--case", f"{layers},{accum}", "--seq", str(o.seq),
-           "--micro", str(o.micro), "--vocab", str(o.vocab), "--flags", o.flags]
+           "--micro", str(o.micro), "--vocab", str(o.vocab), f"--flags={o.flags}"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if o.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""

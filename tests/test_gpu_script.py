@@ -23,7 +23,8 @@ CASES = ["paper-180m eager 2x2", "paper-180m --kernel-fusion none 2x2",
          "paper-180m graphs 2x2",
          "collapse_metrics interval 1", "collapse_metrics interval 10", "real command (plugin interval 10)",
          "hf LlamaForCausalLM (peer)", "1.3b-width", "1.3b-width ckpt", "7b-width", "7b-width ckpt",
-         "async save (paper-180m shape)"]  # and the planner's micro-batch cases, when it differs from 2
+         "async save (paper-180m shape)", "paper-180m --no-triton-kernels 2x2"]
+# and the planner's micro-batch cases, when it differs from 2
 
 
 def fresh_venv(root: Path) -> dict[str, str]:
@@ -69,6 +70,7 @@ def test_gpu_sh_dry_run_from_a_fresh_clone_in_a_fresh_venv(tmp_path) -> None:
     own = [k["self_ms"] for k in kernels]
     assert own == sorted(own, reverse=True) and any(k["total_ms"] > k["self_ms"] for k in kernels)
     assert rows["paper-180m --kernel-fusion none 2x2"]["auto_over_none"] > 0
+    assert rows["paper-180m --no-triton-kernels 2x2"]["triton_over_torch_paths"] > 0
     assert 0 < rows["head + loss memory, unfused vs chunked"]["head_chunked_over_unfused"] < 10
     for case, base in [("add + RMSNorm, triton vs torch", "torch"),
                        ("RoPE, triton vs torch ops", "function"),
