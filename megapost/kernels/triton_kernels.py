@@ -105,36 +105,28 @@ def rope_rows(X, COS, SSIN, Y, R, S, H, sxb, sxs, sxh, HALF, BACKWARD: tl.conste
     tl.store(Y + out + HALF, y2.to(dt), mask=mask)
 
 
-def swiglu_fwd(H, Y, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-    """Y [M, F] = round(round(silu(h1)) h3) for the rows [h1 | h3] of H [M, 2F] (contiguous): torch's
-    ``F.silu(h1) * h3``, each op in fp32 and rounded to the storage dtype."""
+def swiglu_rows(H, G, OUT, M, F, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """SwiGLU's gate on the rows [h1 | h3] of H [M, 2F] (contiguous), each op in fp32 and rounded to the
+    storage dtype as torch rounds it. Forward OUT [M, F] = round(round(silu(h1)) h3) (``F.silu(h1) * h3``;
+    G unused). Backward, for the output gradient G [M, F]: OUT [M, 2F] = [dh1 | dh3] with dh3 =
+    round(g round(silu(h1))), dh1 = torch's ``silu_backward(round(g h3), h1)`` = round(g h3) sig (1 + h1
+    (1 - sig))."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < M) & (cols[None, :] < F)
     at = rows[:, None] * 2 * F + cols[None, :]
     h1 = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
     h3 = tl.load(H + at + F, mask=mask, other=0.0).to(tl.float32)
-    dt = Y.dtype.element_ty
+    dt = OUT.dtype.element_ty
     s = (h1 / (1.0 + tl.exp(-h1))).to(dt).to(tl.float32)
-    tl.store(Y + rows[:, None] * F + cols[None, :], (s * h3).to(dt), mask=mask)
-
-
-def swiglu_bwd(H, G, D, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-    """D [M, 2F] = [dh1 | dh3] for the output gradient G [M, F]: dh3 = round(g round(silu(h1))),
-    dh1 = torch's ``silu_backward(round(g h3), h1)`` = round(g h3) sig (1 + h1 (1 - sig))."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
-    at = rows[:, None] * 2 * F + cols[None, :]
-    h1 = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
-    h3 = tl.load(H + at + F, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = D.dtype.element_ty
-    sig = 1.0 / (1.0 + tl.exp(-h1))
-    s = (h1 / (1.0 + tl.exp(-h1))).to(dt).to(tl.float32)
-    gh3 = (g * h3).to(dt).to(tl.float32)
-    tl.store(D + at, (gh3 * sig * (1.0 + h1 * (1.0 - sig))).to(dt), mask=mask)
-    tl.store(D + at + F, (g * s).to(dt), mask=mask)
+    if BACKWARD:
+        g = tl.load(G + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-h1))
+        gh3 = (g * h3).to(dt).to(tl.float32)
+        tl.store(OUT + at, (gh3 * sig * (1.0 + h1 * (1.0 - sig))).to(dt), mask=mask)
+        tl.store(OUT + at + F, (g * s).to(dt), mask=mask)
+    else:
+        tl.store(OUT + rows[:, None] * F + cols[None, :], (s * h3).to(dt), mask=mask)
 
 
 def rope_qkv_bwd(DQ, DK, DV, COS, SSIN, Y, R, S, NQ, NK, qb, qs, qh, kb, ks, kh, vb, vs, vh, HALF,

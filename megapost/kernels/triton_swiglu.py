@@ -4,7 +4,7 @@
 muls, silu_backward). The same ops per element in fp32 registers with the same roundings to the storage
 dtype; not bit-identical on a GPU (its exp may differ from torch's in the last fp32 bit), so under
 ``--kernel-fusion`` auto not in fp32. Saves only its input, as the Function does. Runs where
-``triton_common.runs_on`` (CUDA with Triton); kernel bodies: ``triton_kernels.swiglu_fwd`` / ``_bwd``."""
+``triton_common.runs_on`` (CUDA with Triton); kernel body: ``triton_kernels.swiglu_rows``."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ def swiglu_path(device: torch.device) -> str:
     return "triton" if runs_on(device) else "function"
 
 
-def _launch(name: str, rows: int, f: int, *tensors: torch.Tensor) -> None:
+def _launch(h: torch.Tensor, g: torch.Tensor, out: torch.Tensor, backward: bool) -> None:
+    """``triton_kernels.swiglu_rows`` over the rows of ``h`` [..., 2f] (contiguous)."""
+    f = h.shape[-1] // 2
+    rows = h.numel() // (2 * f)
     block_f = min(1024, 1 << max(0, (f - 1).bit_length()))
     block_m = max(1, min(16, 4096 // block_f))
-    jitted(name)[(cdiv(rows, block_m), cdiv(f, block_f))](*tensors, rows, f, BLOCK_M=block_m, BLOCK_F=block_f)
+    jitted("swiglu_rows")[(cdiv(rows, block_m), cdiv(f, block_f))](
+        h, g, out, rows, f, BACKWARD=backward, BLOCK_M=block_m, BLOCK_F=block_f)
 
 
 @torch.library.custom_op("megapost::swiglu", mutates_args=())
@@ -33,7 +37,7 @@ def _swiglu_op(h13: torch.Tensor) -> torch.Tensor:
     f = h13.shape[-1] // 2
     h = h13.contiguous()
     y = torch.empty((*h.shape[:-1], f), dtype=h.dtype, device=h.device)
-    _launch("swiglu_fwd", h.numel() // (2 * f), f, h, y)
+    _launch(h, h, y, backward=False)
     return y
 
 
@@ -45,10 +49,9 @@ def _(h13: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("megapost::swiglu_backward", mutates_args=())
 def _swiglu_backward_op(h13: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """[dh1 | dh3], contiguous like ``h13``, for the gate's output gradient ``grad``."""
-    f = h13.shape[-1] // 2
     h, g = h13.contiguous(), grad.contiguous()
     d = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    _launch("swiglu_bwd", h.numel() // (2 * f), f, h, g, d)
+    _launch(h, g, d, backward=True)
     return d
 
 
