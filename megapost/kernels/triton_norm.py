@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megapost.kernels.triton_common import cdiv, interpreted, jitted, programs, runs_on
+from megapost.kernels.triton_common import cdiv, interpreted, jitted, programs, runs_on, torch_op
 
 
 def norm_path(device: torch.device) -> str:
@@ -40,7 +40,8 @@ def _blocks(n: int) -> tuple[int, int]:
     return max(1, min(16, 4096 // block_n)), block_n
 
 
-@torch.library.custom_op("megapost::add_rms_norm", mutates_args=())
+@torch_op("add_rms_norm(Tensor x, Tensor? r, Tensor weight, float eps, float scale) "
+          "-> (Tensor, Tensor, Tensor)")
 def _add_rms_norm_op(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, out, 1/rms per row): y = ``scale`` x + r ([0] without r), out = rmsnorm(y) * weight."""
@@ -65,7 +66,8 @@ def _(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float,
     return y, torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("megapost::add_rms_norm_backward", mutates_args=())
+@torch_op("add_rms_norm_backward(Tensor y, Tensor weight, Tensor rstd, Tensor grad_out, Tensor? grad_y, "
+          "float scale) -> (Tensor, Tensor, Tensor)")
 def _backward_op(y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad_out: torch.Tensor,
                  grad_y: torch.Tensor | None,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megapost.kernels.triton_common import cdiv, jitted, runs_on
+from megapost.kernels.triton_common import cdiv, jitted, runs_on, torch_op
 
 
 def rope_path(device: torch.device) -> str:
@@ -20,7 +20,7 @@ def rope_path(device: torch.device) -> str:
     return "triton" if runs_on(device) else "function"
 
 
-@torch.library.custom_op("megapost::rope", mutates_args=())
+@torch_op("rope(Tensor x, Tensor cos, Tensor signed_sin, bool backward) -> Tensor")
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """x [B, S, H, D] (any strides, the last 1) rotated by the tables [S, D] (transposed rotation when
     ``backward``); contiguous."""
@@ -66,7 +66,7 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return y.transpose(1, 2) if heads_first else y
 
 
-@torch.library.custom_op("megapost::rope_qkv_backward", mutates_args=())
+@torch_op("rope_qkv_backward(Tensor dq, Tensor dk, Tensor dv, Tensor cos, Tensor signed_sin) -> Tensor")
 def _rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                           signed_sin: torch.Tensor) -> torch.Tensor:
     """The packed [B, S, heads + 2 groups, D] gradient of ``triton_rope_qkv``'s input from its outputs'

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megapost.kernels.triton_common import cdiv, jitted, runs_on
+from megapost.kernels.triton_common import cdiv, jitted, runs_on, torch_op
 
 
 def swiglu_path(device: torch.device) -> str:
@@ -31,7 +31,7 @@ def _launch(h: torch.Tensor, g: torch.Tensor, out: torch.Tensor, backward: bool)
         h, g, out, rows, f, BACKWARD=backward, BLOCK_M=block_m, BLOCK_F=block_f)
 
 
-@torch.library.custom_op("megapost::swiglu", mutates_args=())
+@torch_op("swiglu(Tensor h13) -> Tensor")
 def _swiglu_op(h13: torch.Tensor) -> torch.Tensor:
     """silu(h13[..., :f]) * h13[..., f:], contiguous [..., f]."""
     f = h13.shape[-1] // 2
@@ -46,7 +46,7 @@ def _(h13: torch.Tensor) -> torch.Tensor:
     return h13.new_empty((*h13.shape[:-1], h13.shape[-1] // 2))
 
 
-@torch.library.custom_op("megapost::swiglu_backward", mutates_args=())
+@torch_op("swiglu_backward(Tensor h13, Tensor grad) -> Tensor")
 def _swiglu_backward_op(h13: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """[dh1 | dh3], contiguous like ``h13``, for the gate's output gradient ``grad``."""
     h, g = h13.contiguous(), grad.contiguous()
