@@ -130,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--decay-style", default="cosine", choices=("cosine", "linear", "constant"),
-                   help="--lr-decay-style of every run, recorded in results.csv (decay_style)")
     p.add_argument("--interval", type=int, default=2, help="--collapse-interval of every run")
     p.add_argument("--split", default="969,30,1")
     add_run_flags(p)

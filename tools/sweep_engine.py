@@ -169,6 +169,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4, help="--num-attention-heads of every run")
     p.add_argument("--init-variance", choices=("paper", "std"), default="paper",
                    help="--init-variance of every run")
+    p.add_argument("--decay-style", default="cosine", choices=("cosine", "linear", "constant"),
+                   help="--lr-decay-style of every run, recorded in results.csv (decay_style)")
     p.add_argument("--jobs", "--workers", type=int, default=len(os.sched_getaffinity(0)),
                    help="runs at once (persistent engine: worker processes)")
     p.add_argument("--engine", choices=ENGINES, default="persistent",

@@ -62,7 +62,7 @@ def settings(args: argparse.Namespace, variant: Any, cell: Any, vocab: int) -> d
             "min_lr": cell.lr / 10, "warmup": cell.warmup, "train_iters": args.iters,
             "micro_batch": args.batch, "global_batch": args.batch, "seq_length": args.seq_length,
             "tokens_per_step": args.batch * args.seq_length, "vocab": vocab, "init": args.init_variance,
-            "decay_style": getattr(args, "decay_style", "cosine"), "weight_decay": 0.1, "clip_grad": 1.0,
+            "decay_style": args.decay_style, "weight_decay": 0.1, "clip_grad": 1.0,
             "seed": cell.seed,
             "extra_flags": " ".join([*variant.flags, *args.extra]), "data_path": args.data_path}
 
