@@ -105,8 +105,8 @@ if [ "$DRY" = 0 ]; then
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "error: benchmarks/gpu.sh needs a CUDA torch and a GPU (torch.cuda.is_available() is False); --dry-run runs it on CPU")'
 fi
 
-# 3. DeepSpeed and the libraries megapost imports.
-if ! "$PY" -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors, datasets' 2>/dev/null; then
+# 3. DeepSpeed, the libraries megapost imports and transformers (the HF peer row).
+if ! "$PY" -c 'import deepspeed, matplotlib, tensorboard, sentencepiece, safetensors, datasets, transformers' 2>/dev/null; then
   if ls wheels/deepspeed-*.whl >/dev/null 2>&1; then  # offline: the carried wheels, resolved (pip checks them)
     "${PIP[@]}" --no-index --find-links wheels/ -r "$PINS"
   else  # the package index; DeepSpeed without compiling its ops (megapost uses none)

@@ -4,6 +4,7 @@ row), and the JSON is there after every case."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -145,3 +146,59 @@ def test_each_case_runs_in_its_own_process_and_a_crash_or_timeout_is_a_row() -> 
     assert row["pid"] != os.getpid()
     assert "without a row" in in_fresh_process([sys.executable, "-c", "import os; os._exit(9)"], 60)["error"]
     assert "timed out" in in_fresh_process([sys.executable, "-c", "import time; time.sleep(30)"], 1)["error"]
+
+
+def _closure(names: list[str]) -> set[str]:
+    """The installed distributions ``names`` need to import: each and its requirements (no extras)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        with contextlib.suppress(PackageNotFoundError):
+            reqs = [Requirement(r) for r in distribution(name).requires or []]
+            todo += [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return seen
+
+
+def pinned_venv(root: Path) -> dict[str, str]:
+    """A venv holding only what gpu.sh installs: torch (a CUDA torch brings its own) and the packages
+    of benchmarks/gpu_wheels.txt, each linked in from this interpreter's install; megapost from this
+    tree through PYTHONPATH."""
+    from importlib.metadata import distribution
+
+    pins = [line.split("==")[0] for line in (REPO / "benchmarks/gpu_wheels.txt").read_text().splitlines()
+            if "==" in line and not line.startswith("#")]
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    for name in _closure(["torch", *pins]):
+        with contextlib.suppress(Exception):  # not installed here: the import below says what is missing
+            dist = distribution(name)
+            for top in {Path(str(f)).parts[0] for f in dist.files or []} - {".."}:
+                if not (site / top).exists() and Path(dist.locate_file(top)).exists():
+                    (site / top).symlink_to(dist.locate_file(top))
+    env = {k: v for k, v in os.environ.items() if k not in ("CONDA_PREFIX", "PYTHON")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv}/bin:{env['PATH']}", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{REPO}:{REPO / 'plugins'}")
+    return env
+
+
+@pytest.mark.integration
+def test_hf_peer_case_runs_with_what_gpu_sh_installs(tmp_path) -> None:
+    """The suite's HF peer row (transformers' LlamaForCausalLM at the dry run's tiny shape, 2 steps) in a
+    venv holding only gpu.sh's install set: the row's dependency is one gpu.sh installs."""
+    env, row = pinned_venv(tmp_path), tmp_path / "row.json"
+    case = ["--case", "hf LlamaForCausalLM (peer)", "--row-out", str(row), "--out", str(tmp_path / "s.json")]
+    proc = subprocess.run([f"{tmp_path}/venv/bin/python", "benchmarks/gpu_suite.py", "--dry-run", *case],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and row.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(row.read_text())
+    assert "error" not in result and result["tokens_per_s"] > 0, result
