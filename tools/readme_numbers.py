@@ -130,9 +130,11 @@ def check_planner(text: str, name: str = "README.md") -> tuple[list[str], int]:
     return drifts, covered
 
 
-MAIN_LOSSES = re.compile(r"validation loss ((?:[\d.]+ / )+[\d.]+) at steps ((?:\d+ / )+\d+)")
+SLASH = r"\s+/\s+"
+MAIN_LOSSES = re.compile(rf"validation\s+loss\s+((?:[\d.]+{SLASH})+[\d.]+)\s+at\s+steps\s+"
+                         rf"((?:\d+{SLASH})+\d+)")
 MAIN_COLLAPSE = re.compile(r"`\[collapse\] COLLAPSED at step (\d+):`"
-                           r"(?: t_sim\(X\^H\) [\d.]+, [\w/ -]*gradient ratio ~?([\d.]+e-?\d+))?")
+                           r"(?:\s+t_sim\(X\^H\)\s+[\d.]+,[\w/\s-]*gradient\s+ratio\s+~?([\d.]+e-?\d+))?")
 VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([\d.]+)")
 PRINTED_COLLAPSE = re.compile(r"COLLAPSED at step (\d+): .*?gradient ratio ([\d.]+e[-+]?\d+)")
 MAIN_PAGES = ("README.md", "docs/collapse_study.md")  # the pages that quote the main job's run
@@ -154,7 +156,7 @@ def check_main_job(text: str, stdout: str, name: str = "README.md") -> tuple[lis
         return [f"{name}: no 'validation loss a / b / ... at steps i / j / ...' quote of the main job"], 0
     ran = {int(i): float(v) for i, v in VALIDATION.findall(stdout)}
     drifts = []
-    pairs = list(zip(losses[2].split(" / "), losses[1].split(" / "), strict=True))
+    pairs = list(zip(re.split(SLASH, losses[2]), re.split(SLASH, losses[1]), strict=True))
     for step, quoted in pairs:
         got = ran.get(int(step))
         if got is None or abs(got - float(quoted)) > LOSS_TOL:
