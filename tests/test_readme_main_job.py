@@ -27,10 +27,13 @@ def _page(ratio: str, losses: str = "7.54 / 7.41") -> str:
 
 def test_the_pages_quotes_agree_or_drift():
     assert check_main_job(_page("2.2e-6"), STDOUT, "docs/x.md") == ([], 4)
+    assert check_main_job(_page("< 1e-5"), STDOUT, "docs/x.md") == ([], 4)  # a bound
     drifts, _ = check_main_job(_page("~1e-5", "7.47 / 6.87"), STDOUT, "docs/x.md")
     assert drifts == ["docs/x.md: main job validation loss at step 50: 7.47 vs 7.5401",
                       "docs/x.md: main job validation loss at step 100: 6.87 vs 7.412",
-                      "docs/x.md: main job gradient ratio at the alarm 1e-5 vs 2.2e-06"]
+                      "docs/x.md: main job gradient ratio at the alarm ~1e-5 vs 2.2e-06"]
+    assert check_main_job(_page("< 1e-6"), STDOUT, "d")[0] == ["d: main job gradient ratio at the alarm < 1e-6 "
+                                                              "vs 2.2e-06"]
 
 
 def test_the_shipped_pages_quote_the_same_run():
