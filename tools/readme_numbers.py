@@ -13,9 +13,11 @@ Covered:
     configurations, leave-one-out coverage, the paper-180m lr* and interval, the warmup gain) against the
     SHIPPED fit megapost/study/boundary_law_post.json (read, not refitted), and every quoted
     ``collapse risk: ...`` line against the planner's line for the command above it (same tolerance);
-  * ``--slow``: the main job's ``validation loss a / b / c / d at steps i / j / k / l`` (Post-Norm,
-    ``bash examples/pretrain_postnorm.sh``) against its ``validation at iteration N | lm loss X`` lines,
-    and its ``COLLAPSED at step N``.
+  * ``--slow``: in README.md and docs/collapse_study.md (MAIN_PAGES), the main job's ``validation loss
+    a / b / c / d at steps i / j / k / l`` (Post-Norm, ``bash examples/pretrain_postnorm.sh``, run once)
+    against its ``validation at iteration N | lm loss X`` lines, its ``COLLAPSED at step N`` and the
+    gradient ratio quoted after it (``..., gradient ratio X``, or ``< X``: a bound) against the one the
+    alarm line prints.
 Tolerance: a quoted number matches when it is within 1% of the rerun's value or within half a unit of
 its last printed digit (README rounding), whichever is wider; layouts and counts must be equal; losses
 within 0.02. Exit 1 with one line per drift (or per line it cannot read), else a summary.
@@ -129,32 +131,54 @@ def check_planner(text: str, name: str = "README.md") -> tuple[list[str], int]:
     return drifts, covered
 
 
-MAIN_LOSSES = re.compile(r"validation loss ((?:[\d.]+ / )+[\d.]+) at steps ((?:\d+ / )+\d+)")
-MAIN_COLLAPSE = re.compile(r"`\[collapse\] COLLAPSED at step (\d+):")
+SLASH = r"\s+/\s+"
+MAIN_LOSSES = re.compile(rf"validation\s+loss\s+((?:[\d.]+{SLASH})+[\d.]+)\s+at\s+steps\s+"
+                         rf"((?:\d+{SLASH})+\d+)")
+MAIN_COLLAPSE = re.compile(r"`\[collapse\] COLLAPSED at step (\d+):`"
+                           r"(?:\s+t_sim\(X\^H\)\s+[\d.]+,[\w/\s-]*gradient\s+ratio\s+(<\s*|~)?([\d.]+e-?\d+))?")
+VALIDATION = re.compile(r"validation at iteration (\d+) \| lm loss ([\d.]+)")
+PRINTED_COLLAPSE = re.compile(r"COLLAPSED at step (\d+): .*?gradient ratio ([\d.]+e[-+]?\d+)")
+MAIN_PAGES = ("README.md", "docs/collapse_study.md")  # the pages that quote the main job's run
 
 
-def check_main_job(text: str) -> tuple[list[str], int]:
-    """``--slow``: rerun the main job (one process) and compare its validation losses and alarm step."""
-    losses, collapse = MAIN_LOSSES.search(text), MAIN_COLLAPSE.search(text)
-    if not losses:
-        return ["README.md: no 'validation loss a / b / ... at steps i / j / ...' quote of the main job"], 0
+def main_job_output() -> str | list[str]:
+    """The main job's stdout (one process), or its one drift line when it fails."""
     proc = subprocess.run(["bash", "examples/pretrain_postnorm.sh"], cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
-        return [f"examples/pretrain_postnorm.sh failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"], 0
-    ran = {int(i): float(v) for i, v in re.findall(r"validation at iteration (\d+) \| lm loss ([\d.]+)",
-                                                   proc.stdout)}
+        return [f"examples/pretrain_postnorm.sh failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"]
+    return proc.stdout
+
+
+def check_main_job(text: str, stdout: str, name: str = "README.md") -> tuple[list[str], int]:
+    """``--slow``: a page's quotes of the main job -- validation losses, the alarm step and the alarm's
+    gradient ratio -- against the job's ``stdout``."""
+    losses, collapse = MAIN_LOSSES.search(text), MAIN_COLLAPSE.search(text)
+    if not losses:
+        return [f"{name}: no 'validation loss a / b / ... at steps i / j / ...' quote of the main job"], 0
+    ran = {int(i): float(v) for i, v in VALIDATION.findall(stdout)}
     drifts = []
-    pairs = list(zip(losses[2].split(" / "), losses[1].split(" / "), strict=True))
+    pairs = list(zip(re.split(SLASH, losses[2]), re.split(SLASH, losses[1]), strict=True))
     for step, quoted in pairs:
         got = ran.get(int(step))
         if got is None or abs(got - float(quoted)) > LOSS_TOL:
-            drifts.append(f"README.md: main job validation loss at step {step}: {quoted} vs {got}")
-    if collapse:
-        got = re.search(r"COLLAPSED at step (\d+)", proc.stdout)
-        if not got or got[1] != collapse[1]:
-            seen = got[1] if got else "none"
-            drifts.append(f"README.md: main job collapse at step {collapse[1]} vs {seen}")
-    return drifts, len(pairs) + bool(collapse)
+            drifts.append(f"{name}: main job validation loss at step {step}: {quoted} vs {got}")
+    printed = PRINTED_COLLAPSE.search(stdout)
+    if collapse and (not printed or printed[1] != collapse[1]):
+        seen = printed[1] if printed else "none"
+        drifts.append(f"{name}: main job collapse at step {collapse[1]} vs {seen}")
+    if collapse and collapse[3] and printed and not _ratio_ok(collapse[2], collapse[3], float(printed[2])):
+        drifts.append(f"{name}: main job gradient ratio at the alarm {collapse[2] or ''}{collapse[3]} vs "
+                      f"{printed[2]}")
+    return drifts, len(pairs) + bool(collapse) + bool(collapse and collapse[3])
+
+
+def _ratio_ok(kind: str | None, quoted: str, printed: float) -> bool:
+    """``< X``: a bound (the collapsed ratio is rounding noise, a few x from run to run); else ``close``."""
+    return printed < float(quoted) if kind and kind.startswith("<") else _close(quoted, printed)
+
+
+def _name(path: Path) -> str:
+    return path.name if path.parent != REPO / "docs" else f"docs/{path.name}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [Path(f) for f in a.readme] if a.readme else [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
     drifts, counts = [], {"planner": 0}
     for path in files:
-        text, name = path.read_text(), path.name if path.parent != REPO / "docs" else f"docs/{path.name}"
+        text, name = path.read_text(), _name(path)
         found, n = check_planner(text, name)
         drifts, counts["planner"] = drifts + found, counts["planner"] + n
         law_drifts, law_parts = check_law(text, name)
@@ -174,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         for part in law_parts:
             label, n_law = part.rsplit(": ", 1)
             counts[label] = counts.get(label, 0) + int(n_law.split()[0])
-    if a.slow:
-        more, n = check_main_job(files[0].read_text())
-        drifts, counts["main job"] = drifts + more, n
+    pages = [path for path in files if _name(path) in MAIN_PAGES] if a.slow else []
+    stdout = main_job_output() if pages else ""
+    if isinstance(stdout, list):
+        drifts, pages = drifts + stdout, []
+    counts.update({"main job": 0} if pages else {})
+    for path in pages:
+        more, n = check_main_job(path.read_text(), stdout, _name(path))
+        drifts, counts["main job"] = drifts + more, counts["main job"] + n
     for line in drifts:
         print(f"drift: {line}")
     parts = [f"{label}: {n} numbers" for label, n in counts.items()]

@@ -45,12 +45,31 @@ def non_finite_error(what: str, iteration: int, save_dir: str | None) -> Floatin
                               "raise --lr-warmup-iters, or check the data (--data-path)")
 
 
-def refuse_non_finite(written: Iterable[torch.Tensor], pending: Iterable[Any], iteration: int,
+Named = tuple[str, Any]  # (what it is: a file key such as "fp32/<param>" or "loss", tensor or number)
+
+
+def non_finite_names(named: Iterable[Named], device: torch.device) -> list[str]:
+    """The names of this rank's ``named`` values holding a NaN or Inf (the slow path, after a failed
+    :func:`all_finite`: one host read a tensor)."""
+    return [name for name, t in named if t is not None and not bool(_finite(t, device).item())]
+
+
+def _listed(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def refuse_non_finite(written: Iterable[Named], pending: Iterable[Named], iteration: int,
                       save_dir: str | None, device: torch.device, everywhere: bool = True) -> None:
-    """Before a save: raise :class:`FloatingPointError` (one line) unless every tensor to be ``written``
-    (fp32 masters, optimizer state) and every ``pending`` loss and norm is finite, everywhere (or, with
-    ``everywhere`` False, on this rank: an async save's writer checks its host snapshot so)."""
-    if not all_finite([*pending, *written], device, everywhere):
-        raise non_finite_error("not saving a non-finite training state (loss, grad norm, fp32 weights or "
-                               "optimizer state)",
-                               iteration, save_dir)
+    """Before a save: raise :class:`FloatingPointError` (one line naming the non-finite values, e.g.
+    ``fp32/layers.0.mlp.fc1.weight`` or ``loss``) unless every tensor to be ``written`` (fp32 masters,
+    optimizer state; never a plugin's record, which may hold a metric undefined for the run as NaN) and
+    every ``pending`` loss and norm is finite, everywhere (or, with ``everywhere`` False, on this rank:
+    an async save's writer checks its host snapshot so). Each is a ``(name, value)`` pair."""
+    named = [*pending, *written]
+    if all_finite([t for _, t in named], device, everywhere):
+        return
+    bad = non_finite_names(named, device)
+    rank = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+    found = f"NaN or Inf{rank} in {_listed(bad)}" if bad else "a NaN or Inf on another rank"
+    raise non_finite_error(f"not saving a non-finite training state ({found})", iteration, save_dir)

@@ -229,7 +229,7 @@ class AsyncSaver:
         try:
             snapshot.take()  # at training's priority: the next optimizer step waits for it
             lower_priority()
-            host_copies = snapshot.files.tensors()  # exactly what _write writes
+            host_copies = snapshot.files.training_state()  # what _write writes, less plugin records
             finite_guard.refuse_non_finite(host_copies, (), job.iteration, job.directory, torch.device("cpu"),
                                            everywhere=False)  # a failure reaches every rank via _agree
             self._write(job, snapshot.files)
@@ -283,12 +283,13 @@ class AsyncSaver:
         return job.written
 
     def save(self, engine: Engine, config: Config, iteration: int, consumed: int,
-             plugin_states: dict[str, Any], pstate: Any, checked: Sequence[Any] = (),
+             plugin_states: dict[str, Any], pstate: Any, checked: Sequence[tuple[str, Any]] = (),
              device: torch.device | None = None) -> str:
         """Save tag ``iter_XXXXXXX`` into ``config.checkpoint.save``: this rank's shard (``writer``), the
         Engine's own files too under ``--ckpt-format deepspeed``; returns at once under ``--async-save``
         (the write goes on in a background thread), else when the tag is published. Refuses (one line,
-        every rank) unless every tensor written and ``checked`` (pending losses, norms) is finite."""
+        every rank) unless every tensor written (less the plugins' records) and ``checked`` (named pending
+        losses, norms) is finite."""
         self.wait_pending()
         ckpt, run = config.checkpoint, RunLayout.of(config)
         tag = tag_of(iteration)
@@ -298,7 +299,7 @@ class AsyncSaver:
         if distributed():
             self.cpu_group()
         files = rank_files(engine, pstate, run.deepspeed_layout(), client)
-        written = [] if ckpt.async_save else files.tensors()
+        written = [] if ckpt.async_save else files.training_state()
         # --async-save: the writer checks the host snapshot it writes (_background), off the training thread
         finite_guard.refuse_non_finite(written, checked, iteration, ckpt.save, device or torch.device("cpu"))
         try:

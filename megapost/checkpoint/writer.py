@@ -28,6 +28,7 @@ from megapost.checkpoint.specs import full_shapes, local_parameters, local_spec
 from megapost.checkpoint.stream_write import Staging, write_safetensors
 from megapost.engine import Engine
 
+PLUGINS = "plugins"  # the key prefix of the plugins' tensors in the state file
 File = tuple[str, list[tuple[str, torch.Tensor]], dict[str, Any]]  # (relative path, entries, header)
 
 
@@ -40,6 +41,12 @@ class RankFiles:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor written, in file order (what the finite check before a save scans)."""
         return [t for _, entries, _ in self.files for _, t in entries]
+
+    def training_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors written, by key, less the plugins' records (what the finite check before a save
+        scans: a plugin may record a metric undefined for the run -- Hybrid's, DyT's -- as NaN)."""
+        return [(key, t) for _, entries, _ in self.files for key, t in entries
+                if not key.startswith(PLUGINS + ".")]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -87,7 +94,7 @@ def _state_file(engine: Engine, pstate: Any, layout: dict[str, Any], client: dic
         "engine": engine.counters(),
         "shards": all_shard_files(pstate),
         "rng": codec.encode(client["rng"], tensors, "rng"),
-        "plugins": codec.encode(client["plugins"], tensors, "plugins"),
+        "plugins": codec.encode(client["plugins"], tensors, PLUGINS),
     }
     return os.path.join(DIR, STATE), sorted(tensors.items()), header
 

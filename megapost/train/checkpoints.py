@@ -62,8 +62,10 @@ class CheckpointManager:
     def save(self) -> None:
         st = self.state
         norms = host_norms([norm for _, _, norm, _ in st.losses])  # a non-finite norm: a skipped step
-        pending = [t for (_, loss, norm, _), n in zip(st.losses, norms, strict=True)
-                   if n is None or math.isfinite(n) for t in (loss, norm)]
+        pending = [(f"{what} of step {it}", t)
+                   for (it, loss, norm, _), n in zip(st.losses, norms, strict=True)
+                   if n is None or math.isfinite(n)
+                   for what, t in (("loss", loss), ("grad norm", norm))]
         tag = self.saver.save(self.engine, self.config, st.iteration, st.consumed_samples, self._states(),
                          self.pstate, checked=pending, device=self.device)
         done = "saving checkpoint (in the background)" if self.ckpt.async_save else "saved checkpoint"
