@@ -92,8 +92,8 @@ def test_the_planner_passes_warmup_batch_seq_steps_and_init(tmp_path, capsys):
                        "--train-iters", "1000", "--init-variance", "std"],
                       _x(width=512, depth=48, warmup=0, tokens_per_step=64 * 1024, decay_iters=1000, seq=1024,
                          vocab=32000, init=1))):
-        plan_main(argv + extra)
-        line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("collapse risk:"))
+        plan_main([*argv, *extra, "--json"])
+        line = json.loads(capsys.readouterr().out)["collapse_risk"]["line"]
         star = math.exp(_by_hand(x)[0])
         assert line.startswith(f"collapse risk: extrapolated -- lr 0.0008 = {8e-4 / star:.2g} x "
                                f"predicted lr* {star:.3g}"), line

@@ -189,4 +189,4 @@ def test_collapse_risk_needs_no_cluster(capsys):
     assert "lr*" in out["delayed_collapse"]["line"]
     plan_main(["--preset", "paper-180m", "--lr", "8e-4"])
     text = capsys.readouterr().out.splitlines()
-    assert text[3] == "layouts: none asked (--gpus N to lay the model out)" and len(text) == 6
+    assert text[3] == "layouts: none asked (--gpus N to lay the model out)" and len(text) == 5

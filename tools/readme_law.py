@@ -93,7 +93,7 @@ def check_risk_lines(text: str, name: str) -> Drifts:
     drifts, covered, cache = [], 0, {}
     for m in re.finditer(r"^.*?(collapse risk: .*)$", text, re.M):
         where = f"{name}:{text.count(chr(10), 0, m.start()) + 1}"
-        lr = re.search(r"-- lr (\S+) =", m[1])
+        lr = re.search(r"^collapse risk: \S+ at lr (\S+) ", m[1])
         argv = planner_command(text, m.start())
         if not lr or not argv:
             drifts.append(f"{where}: a collapse risk line without its lr or a planner command above it")

@@ -23,6 +23,7 @@ from megapost.plan.counts import parameter_counts
 from megapost.plan.memory import async_save_host_bytes
 from megapost.plan.search import Candidate, candidates, rank_key, recommend
 from megapost.plan.throughput import Cluster
+from megapost.plan.verdict import verdict
 from megapost.study.boundary_law import load_law, run_factors
 
 GiB = 2**30
@@ -135,8 +136,9 @@ def _allowed(layout: object, args: argparse.Namespace) -> bool:
 
 
 def _model_and_risk(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, object]:
-    """What the planner says without a cluster: the model's counts and both collapse-risk lines."""
-    return {
+    """What the planner says without a cluster: the model's counts, both collapse-risk records and the one
+    verdict line (``megapost.plan.verdict``)."""
+    out: dict[str, object] = {
         "model": {"preset": args.preset, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "ffn_hidden_size": cfg.ffn_hidden_size, "heads": cfg.num_attention_heads,
                   "vocab_padded": cfg.vocab_size, "seq_length": cfg.seq_length},
@@ -146,6 +148,8 @@ def _model_and_risk(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, obj
                                        run_factors(args, cfg), args.lr),
         "delayed_collapse": delayed_collapse_risk(args, cfg, args.hazard_law),
     }
+    out["verdict"] = verdict(out["collapse_risk"], out["delayed_collapse"], args.lr, int(args.train_iters))
+    return out
 
 
 def plan(args: argparse.Namespace) -> dict[str, object]:
@@ -209,7 +213,7 @@ def render(result: dict, top: int) -> str:
     m, c = result["model"], result["cluster"]
     if c is None:
         return "\n".join([*_model_lines(result), "layouts: none asked (--gpus N to lay the model out)",
-                          result["collapse_risk"]["line"], result["delayed_collapse"]["line"]])
+                          result["verdict"]])
     lines = [
         *_model_lines(result),
         f"cluster: {c['gpus']} GPUs ({c['gpus_per_node']}/node), {c['gpu_memory_gb']:.0f} GiB each "
@@ -242,8 +246,7 @@ def render(result: dict, top: int) -> str:
         lines.append(f"--async-save holds {result['async_save_host_gb_per_node']:.1f} GiB of host memory per "
                      "node (pinned; fp32 master + Adam moments of each rank's shard, one buffer per rank)")
     lines += result["notes"]
-    lines.append(result["collapse_risk"]["line"])
-    lines.append(result["delayed_collapse"]["line"])
+    lines.append(result["verdict"])
     return "\n".join(lines)
 
 

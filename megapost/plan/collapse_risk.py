@@ -68,7 +68,8 @@ def delayed_collapse_risk(flags: Any, model: Any, path: str | None = None) -> di
     --train-iters, --lr-decay-style, --global-batch-size, --seq-length, --norm-position), ``model`` its
     ModelConfig; the shipped hazard law unless ``path``."""
     if flags.norm_position != "post":
-        return {"available": False, "line": "delayed collapse: the hazard law is fitted for Post-Norm only"}
+        return {"available": False,
+                "line": "delayed collapse: the delayed-collapse law is fitted for Post-Norm only"}
     try:
         law = hazard_law.load(path)
     except ValueError as e:

@@ -187,7 +187,7 @@ def risk_line(law: HazardLaw, x: Mapping[str, float], sched: Schedule) -> dict[s
     else:
         p, plo, phi = law.p_collapse(x, sched)
         head += f"; P(collapse) at lr {sched.lr:.3g}: {p:.2f} [{plo:.2f}, {phi:.2f}]"
-        rec["p_collapse"] = p
+        rec["p_collapse"], rec["p_interval"] = p, [plo, phi]
     if s.extrapolated:
         head += "; outside the measured box: " + ", ".join(s.extrapolated)
     rec["line"] = head
