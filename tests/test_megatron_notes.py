@@ -1,5 +1,6 @@
-"""Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir: logged to Weights & Biases when
-wandb is importable (a stand-in module here: wandb is not a dependency), else a one-line start-up note."""
+"""Megatron-LM flags accepted with a start-up note: --wandb-project / --wandb-exp-name / --wandb-save-dir
+(logged to Weights & Biases when wandb is importable, a stand-in module here: wandb is not a dependency, else
+a one-line note) and --transformer-impl transformer_engine (megapost's own layers run)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,12 @@ def test_not_logged_off_the_logging_rank_or_without_project(fake_wandb) -> None:
     off_rank.scalars("t", {"a": 1}, 1, 1)
     assert wandb_settings(parse_args(BASE)) is None
     assert fake_wandb == []
+
+
+def test_transformer_engine_noted_as_megapost_layers() -> None:
+    """--transformer-impl transformer_engine (Megatron's default, so commonly typed): accepted with one note
+    saying megapost's own layers run, never listed as 'with Megatron's meaning'."""
+    notes = parse_args(BASE + ["--transformer-impl", "transformer_engine"]).megatron_notes
+    said = [n for n in notes if "transformer-impl" in n]
+    assert said == ["--transformer-impl transformer_engine (megapost's own torch layers run, not Transformer "
+                    "Engine's (Megatron's default is transformer_engine))"]
