@@ -125,7 +125,7 @@ def test_corrupt_files_give_a_clear_error(tmp_path: Path, case: str) -> None:
         IndexedDataset(prefix)
     text = str(err.value)
     assert str(tmp_path / "d") in text and "\n" not in text
-    assert "tools/preprocess_data.py" in text
+    assert "rebuild the .bin/.idx pair with megapost-preprocess" in text  # the console script
 
 
 def test_atomic_helpers(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import os
 
 from megapost.checkpoint.folder import CheckpointFolder
 from megapost.checkpoint.format import check_complete
-from megapost.checkpoint.hf import export
+from megapost.checkpoint.hf import export, uses_llama
 from megapost.checkpoint.reader import ShardIndex
 from megapost.config.errors import ConfigError
 from megapost.model import ModelConfig
@@ -28,6 +28,13 @@ def tag_dir(load: str, iteration: int | None) -> str:
         raise ConfigError(f"--load {load}: tag {os.path.basename(path)} has no layout-free state (saved by "
                           "an older megapost); resume it once and save again")
     return path
+
+
+def from_pretrained_line(cfg: ModelConfig, output: str) -> str:
+    """The exact line that loads the export: any placement but plain Pre-Norm runs the directory's own
+    modeling code, so it needs ``trust_remote_code=True``."""
+    remote = "" if uses_llama(cfg) else ", trust_remote_code=True"
+    return f"AutoModelForCausalLM.from_pretrained({output!r}{remote})"
 
 
 def export_hf_main(argv: list[str] | None = None) -> None:
@@ -43,6 +50,7 @@ def export_hf_main(argv: list[str] | None = None) -> None:
     tokenizer = args.tokenizer_model or header.get("args", {}).get("tokenizer_model")
     if not tokenizer or not os.path.isfile(tokenizer):
         raise ConfigError(f"--tokenizer-model {tokenizer}: no such file; pass the run's SentencePiece model")
-    export(index.full(), ModelConfig(**header["model_config"]), tokenizer, args.output,
-           int(args.max_shard_gb * 1024**3))
-    print(f"wrote {args.output}")
+    cfg = ModelConfig(**header["model_config"])
+    export(index.full(), cfg, tokenizer, args.output, int(args.max_shard_gb * 1024**3))
+    print(f"wrote {args.output}; load it with: from transformers import AutoModelForCausalLM; "
+          f"{from_pretrained_line(cfg, args.output)}")

@@ -210,14 +210,14 @@ def _validate_data(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from None
     prefixes = args.data_sources.prefixes
     if not prefixes:
-        raise ConfigError("--data-path is required (a .bin/.idx prefix from tools/preprocess_data.py), "
+        raise ConfigError("--data-path is required (a .bin/.idx prefix from megapost-preprocess), "
                           "or --train-data-path/--valid-data-path/--test-data-path")
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ConfigError(
                     f"--data-path {prefix}: {prefix + ext} not found; build it with "
-                    "tools/preprocess_data.py (or tools/prepare_default_data.py)"
+                    "megapost-preprocess (or megapost-prepare-data)"
                 )
     args.data_path = prefixes[0]
 

@@ -13,6 +13,10 @@ Wired (megapost.train.logger writes them, computed on logging steps only):
     ``--no-log-gradient-norm-to-tensorboard``: those scalars left out of TensorBoard.
   * ``--log-batch-size-to-tensorboard``, ``--log-world-size-to-tensorboard``: ``train/batch_size``,
     ``train/world_size``.
+  * ``--wandb-project P`` (with ``--wandb-exp-name``, ``--wandb-save-dir``): the same scalars the console
+    and TensorBoard get (megapost.metrics.monitor) also logged to Weights & Biases when ``wandb`` is
+    importable (WANDB_MODE=offline honoured: wandb reads it); without ``wandb``, a start-up note says
+    nothing is logged there. wandb is not a dependency.
 Noted at start-up: ``--log-memory-to-tensorboard`` (memory is always written), ``--no-log-loss-scale-
 to-tensorboard`` (no loss scale: bf16/fp32 train without one); ``--log-timers-to-tensorboard`` and
 ``--log-validation-ppl-to-tensorboard`` are noted by megatron_flags/megatron_habits.
@@ -21,6 +25,8 @@ to-tensorboard`` (no loss scale: bf16/fp32 train without one); ``--log-timers-to
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 
 from megapost.config.errors import ConfigError
 
@@ -53,6 +59,26 @@ def add_logging_arguments(g: argparse._ArgumentGroup) -> None:
                    help="write train/world_size")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="accepted: memory is always written (throughput/memory_gb)")
+    g.add_argument("--wandb-project", help="Weights & Biases project: scalars also logged there when wandb "
+                   "is installed (WANDB_MODE=offline honoured)")
+    g.add_argument("--wandb-exp-name", help="the Weights & Biases run name (with --wandb-project)")
+    g.add_argument("--wandb-save-dir", help="directory of wandb's local files (default: wandb's own)")
+
+
+def wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None
+
+
+def _wandb_notes(args: argparse.Namespace) -> list[str]:
+    if not args.wandb_project:
+        typed = [f for f in ("wandb_exp_name", "wandb_save_dir") if getattr(args, f)]
+        return [f"--{f.replace('_', '-')} (no --wandb-project: nothing is logged to Weights & Biases)"
+                for f in typed]
+    if not wandb_installed():
+        return [f"--wandb-project {args.wandb_project}: wandb is not installed, nothing is logged to "
+                "Weights & Biases (pip install wandb to log there)"]
+    return [f"--wandb-project {args.wandb_project}: scalars also logged to Weights & Biases "
+            f"(WANDB_MODE={os.environ.get('WANDB_MODE', 'online')})"]
 
 
 def check_logging_arguments(args: argparse.Namespace) -> list[str]:
@@ -64,4 +90,4 @@ def check_logging_arguments(args: argparse.Namespace) -> list[str]:
         notes.append(NOTED["log_memory_to_tensorboard"])
     if not args.log_loss_scale_to_tensorboard:
         notes.append(NOTED["log_loss_scale_to_tensorboard"])
-    return notes
+    return notes + _wandb_notes(args)

@@ -39,7 +39,8 @@ ALWAYS: dict[str, str] = {
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "normalization": (("RMSNorm",), "megapost's norms are RMSNorm (--normalization RMSNorm)"),
     "position_embedding_type": (("rope",), "megapost uses RoPE (--position-embedding-type rope)"),
-    "transformer_impl": (("local", "transformer_engine"), "megapost's own torch implementation"),
+    "transformer_impl": (("local", "transformer_engine"), "megapost's own torch layers run, not Transformer "
+                         "Engine's (Megatron's default is transformer_engine)"),
     "dataloader_type": (("single",), "samples are read in the dataset's shuffled order, resumable by "
                         "consumed samples (Megatron's single); no per-epoch reshuffle (cyclic)"),
 }
@@ -145,7 +146,7 @@ def apply_megatron_arguments(args: argparse.Namespace) -> list[str]:
     """Check and translate the Megatron spellings on ``args``; returns the start-up notes."""
     notes = [f"{flag} ({why})" for flag, why in ALWAYS.items() if getattr(args, flag[2:].replace("-", "_"))]
     same = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in (*CHOICES, *SAME_MEANING)
-            if d in args.explicit]
+            if d in args.explicit and d != "transformer_impl"]  # not Megatron's meaning: its own note
     if same:
         notes.append("with Megatron's meaning: " + ", ".join(same))
     errors = Errors()

@@ -114,6 +114,9 @@ class LoggingConfig:
     log_gradient_norm_to_tensorboard: bool = True
     log_batch_size_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
+    wandb_project: str | None = None  # Weights & Biases (megapost.metrics.monitor), when wandb is installed
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,8 @@ def _logging(a: argparse.Namespace) -> LoggingConfig:
         log_learning_rate_to_tensorboard=a.log_learning_rate_to_tensorboard,
         log_gradient_norm_to_tensorboard=a.log_gradient_norm_to_tensorboard,
         log_batch_size_to_tensorboard=a.log_batch_size_to_tensorboard,
-        log_world_size_to_tensorboard=a.log_world_size_to_tensorboard)
+        log_world_size_to_tensorboard=a.log_world_size_to_tensorboard,
+        wandb_project=a.wandb_project, wandb_exp_name=a.wandb_exp_name, wandb_save_dir=a.wandb_save_dir)
 
 
 def _runtime(a: argparse.Namespace) -> RuntimeConfig:

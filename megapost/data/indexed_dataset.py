@@ -42,7 +42,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 _CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
-_REBUILD = "rebuild the .bin/.idx pair with tools/preprocess_data.py"
+_REBUILD = "rebuild the .bin/.idx pair with megapost-preprocess"
 
 
 def dtype_code(dtype: np.dtype | type) -> int:

@@ -62,7 +62,7 @@ def read_sidecar(prefix: str | os.PathLike[str]) -> dict[str, Any] | None:
             raise KeyError(next(k for k in _IDENTITY_KEYS if k not in identity))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: unreadable tokenizer record ({type(e).__name__}: {e}); delete it or "
-                        "re-run tools/preprocess_data.py") from None
+                        "re-run megapost-preprocess") from None
     return record
 
 
@@ -88,7 +88,7 @@ def check_tokenizer_sidecar(prefix: str | os.PathLike[str], tokenizer: SentenceP
     if (record.get("num_documents"), record.get("num_tokens")) != (num_documents, num_tokens):
         say(f" note: {path} describes {record.get('num_documents')} documents / {record.get('num_tokens')} "
             f"tokens but {prefix}.idx has {num_documents} / {num_tokens}: the record is stale and ignored; "
-            "re-run tools/preprocess_data.py to renew it")
+            "re-run megapost-preprocess to renew it")
         return
     mismatch = tokenizer_mismatch(record, tokenizer)
     if mismatch is None:
@@ -97,5 +97,5 @@ def check_tokenizer_sidecar(prefix: str | os.PathLike[str], tokenizer: SentenceP
         say(f" warning: --data-path {prefix} {mismatch}; training anyway (--allow-tokenizer-mismatch)")
         return
     raise DataError(f"--data-path {prefix} {mismatch} (--tokenizer-model {tokenizer.model_path}); pass the "
-                    "tokenizer the data was built with, re-tokenize it with tools/preprocess_data.py, or "
+                    "tokenizer the data was built with, re-tokenize it with megapost-preprocess, or "
                     "pass --allow-tokenizer-mismatch")

@@ -1,4 +1,5 @@
-"""TensorBoard on the logging rank and the console line."""
+"""TensorBoard (and Weights & Biases, with --wandb-project when wandb is installed) on the logging rank,
+and the console line."""
 
 from __future__ import annotations
 
@@ -44,12 +45,34 @@ def drop_events_after(tb_dir: str, iteration: int, tokens: int, keep: frozenset[
     return dropped
 
 
+def wandb_settings(log: Any) -> dict[str, str | None] | None:
+    """wandb.init's arguments from the logging config, or None when --wandb-project is not given."""
+    if not getattr(log, "wandb_project", None):
+        return None
+    return {"project": log.wandb_project, "name": log.wandb_exp_name or None, "dir": log.wandb_save_dir}
+
+
+def _wandb_run(settings: dict[str, str | None] | None) -> Any:
+    """A wandb run (its mode, e.g. WANDB_MODE=offline, is wandb's own), or None without wandb."""
+    if not settings:
+        return None
+    try:
+        import wandb
+    except ImportError:  # said at start-up (megapost.config.logging_flags)
+        return None
+    if settings.get("dir"):
+        os.makedirs(str(settings["dir"]), exist_ok=True)
+    return wandb.init(**{k: v for k, v in settings.items() if v is not None})
+
+
 class Monitor:
     """Writes scalars against the step and against tokens consumed; no-op off the logging rank."""
 
-    def __init__(self, tensorboard_dir: str | None, enabled: bool, max_queue: int = 100) -> None:
+    def __init__(self, tensorboard_dir: str | None, enabled: bool, max_queue: int = 100,
+                 wandb: dict[str, str | None] | None = None) -> None:
         self.enabled = enabled
         self.writer: Any = None
+        self.wandb: Any = _wandb_run(wandb) if enabled else None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -58,6 +81,8 @@ class Monitor:
         self._t0 = time.time()
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, tokens: int) -> None:
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{name}": value for name, value in values.items()}, step=step)
         if self.writer is None:
             return
         for name, value in values.items():
@@ -94,3 +119,6 @@ class Monitor:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

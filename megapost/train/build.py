@@ -26,7 +26,7 @@ from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
 from megapost.kernels import triton_note
-from megapost.metrics.monitor import Monitor
+from megapost.metrics.monitor import Monitor, wandb_settings
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
@@ -175,7 +175,7 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
                   f"unmeasured on GPU since the kernel fusions (slower than eager on an H200 before them), "
                   f"not recommended until benchmarks measure it faster (docs/kernels.md)")
     monitor = Monitor(log.tensorboard_dir, enabled=pstate.is_logging_rank,
-                      max_queue=log.tensorboard_queue_size)
+                      max_queue=log.tensorboard_queue_size, wandb=wandb_settings(log))
     plugins = build_plugins(prep.plugin_classes, config, pstate, monitor)
     for plugin in plugins:
         plugin.on_model_built(model)

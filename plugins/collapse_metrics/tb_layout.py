@@ -3,6 +3,8 @@
 TensorBoard colours by run (one directory of event files), so every tag of a training run goes into its
 own writer's directory and two runs (Post vs Pre) get two colours. What stays readable at 48-96 layers:
     collapse/loss  collapse/freq_loss/{agg|seq|running|corpus}  collapse/t_sim/{embed|head}
+      (freq_loss/seq, the mean of each sequence's own label entropy, is Theorem 3.8's floor: the bound
+      is per sequence; docs/collapse_metrics.md)
     collapse/grad_ratio  collapse/log10_grad_ratio (first/last-layer gradient ratio; it spans decades)
     collapse/depth/{q}/{min|mean|max}   across the measured layers (and sublayers), q in DEPTH
     collapse/alarm/{collapsed|transition|early_warning}_at_step   the step an alarm went on, written
@@ -121,7 +123,8 @@ def custom_scalars_layout(layers: tuple[int, ...], normalised_out: bool = True) 
     Each chart matches at most ``MAX_TAGS`` tags, and its title says which. ``normalised_out``: the
     placement has a normalised layer output (t_sim/out; not Pre-Norm), else its charts are left out."""
     top = {"lm loss, and the train split's frequency loss (flat)": [r"^collapse/(loss|freq_loss/corpus)$"],
-           "frequency loss of the step's labels: agg, per sequence": [r"^collapse/freq_loss/(agg|seq)$"],
+           "frequency loss of the step's labels: agg, per sequence (seq: Theorem 3.8's floor)":
+               [r"^collapse/freq_loss/(agg|seq)$"],
            "t_sim(X^H) at the head": [r"^collapse/t_sim/head$"],
            "t_sim of the embeddings": [r"^collapse/t_sim/embed$"],
            "log10 first/last-layer gradient ratio": [r"^collapse/log10_grad_ratio$"]}
