@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from case_runner import error_row, in_fresh_process, row_by_case, run_cases, write_json
 from suite_cases import hf_peer, make_trainer, measure, real_command, sync
+from suite_plan import PARTS, gpu_schedule, planned_micro
 from toolchain import compile_toolchain_missing
 
 from megapost.config.presets import LADDER_VOCAB, PRESETS
@@ -178,18 +179,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def planned_micro(shape: tuple, memory_gb: float) -> int:
-    """The planner's recommended micro-batch for ``shape`` on one GPU at the same global batch."""
-    from megapost.plan.__main__ import parse, plan
-
-    layers, hidden, ffn, heads, groups, seq, micro, accum, vocab = shape
-    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(ffn),
-            "--num-attention-heads", str(heads), "--seq-length", str(seq), "--vocab-size", str(vocab),
-            "--global-batch-size", str(micro * accum), "--gpus", "1", "--gpu-memory-gb", str(memory_gb)]
-    best = plan(parse(argv))["recommended"]
-    return best["layout"]["micro_batch"] if best else micro
-
-
 def graphed(shape: tuple, flags: list[str], o: argparse.Namespace) -> dict[str, Any]:
     """--compile with CUDA graphs: each compiled block with ``mode="reduce-overhead"`` (this process
     only: the case runs in its own interpreter)."""
@@ -199,32 +188,23 @@ def graphed(shape: tuple, flags: list[str], o: argparse.Namespace) -> dict[str, 
     return measure(shape, flags, o)
 
 
-def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
-    """(name, estimated seconds on one H200, fn() -> row, or why it is skipped here), in the order of
-    what issue 38 must show."""
+def cases(o: argparse.Namespace) -> list[tuple[str, float, Any, str]]:
+    """(name, estimated seconds on one H100/H200, fn() -> row or why it is skipped here, part): the
+    must-show calls first, in the order of what issue 48 must show (benchmarks/suite_plan.py: the split
+    and the estimates' reasons)."""
     paper = (TINY if o.dry_run else FULL)["paper-180m"]
     rec = o.recommended_micro or paper[6]
     at_rec = (*paper[:6], rec, paper[6] * paper[7] // rec, paper[8])
     no_compile = "dry run (compiling takes minutes on CPU)" if o.dry_run else compile_toolchain_missing()
     no_graphs = no_compile or (None if torch.cuda.is_available() else "CUDA graphs need CUDA")
-    out: list[tuple[str, float, Any]] = []
     splits = {f"{paper[6]}x{paper[7]}": paper, f"{rec}x{at_rec[7]}": at_rec}  # one entry when they agree
-    for micro, shape in splits.items():
-        out.append((f"paper-180m eager {micro}", 50,
-                    lambda shape=shape, a=not out: measure(shape, [], o, audited=a)))
-        if len(out) == 1:  # the fused kernels' row (eager is --kernel-fusion auto): right after it
-            out.append((f"paper-180m --kernel-fusion none {micro}", 50,
-                        lambda shape=shape: measure(shape, ["--kernel-fusion", "none"], o)))
-            out.append(("head + loss memory, unfused vs chunked", 30, lambda: head_memory(o)))
-            out.append(("add + RMSNorm, triton vs torch", 20, lambda: triton_op("norm", o)))
-            out.append(("RoPE, triton vs torch ops", 20, lambda: triton_op("rope", o)))
-            out.append(("SwiGLU gate, triton vs torch ops", 20, lambda: triton_op("swiglu", o)))
-        out.append((f"paper-180m --compile {micro}", 90, no_compile or (
-            lambda shape=shape: measure(shape, ["--compile"], o))))
-        out.append((f"paper-180m graphs {micro}", 100, no_graphs or (
-            lambda shape=shape: graphed(shape, ["--compile"], o))))
-    for interval in (1, 10):
-        out.append((f"collapse_metrics interval {interval}", 45, lambda i=interval: overhead(i, paper, o)))
+    out: list[tuple[str, float, Any, str]] = [
+        (f"paper-180m eager {m}", 45 if not i else 35, lambda s=s, a=not i: measure(s, [], o, audited=a), "1")
+        for i, (m, s) in enumerate(splits.items())]
+    out += [(f"collapse_metrics interval {i}", 40 if i == 1 else 35, lambda i=i: overhead(i, paper, o), "1")
+            for i in (1, 10)]
+    out.append((f"paper-180m --no-triton-kernels {paper[6]}x{paper[7]}", 35,
+                lambda: measure(paper, ["--no-triton-kernels"], o), "1"))
     layers, hidden, ffn, heads, _, seq, micro, accum, _ = paper
     model = (["--num-layers", str(layers), "--hidden-size", str(hidden), "--ffn-hidden-size", str(ffn),
               "--num-attention-heads", str(heads), "--seq-length", str(seq)] if o.dry_run
@@ -233,16 +213,32 @@ def cases(o: argparse.Namespace) -> list[tuple[str, float, Any]]:
             "--train-iters", str(o.warmup + 3 * o.steps), "--log-interval", str(o.steps),
             "--eval-interval", "0",
             "--plugins", "collapse_metrics", "--collapse-interval", "10", "--run-name", "gpu-suite-real"]
-    out.append(("real command (plugin interval 10)", 150, lambda: real_command(real, o, o.case_timeout)))
-    out.append(("hf LlamaForCausalLM (peer)", 60, lambda: hf_peer(paper, o)))
+    out.append(("real command (plugin interval 10)", 90, lambda: real_command(real, o, o.case_timeout), "1"))
+    out += [(f"paper-180m graphs {m}", 100 if not i else 90, no_graphs or (
+        lambda s=s: graphed(s, ["--compile"], o)), "2") for i, (m, s) in enumerate(splits.items())]
+    out.append(("hf LlamaForCausalLM (peer)", 45, lambda: hf_peer(paper, o), "2"))
+    return out + _extra_cases(o, paper, splits, no_compile)
+
+
+def _extra_cases(o: argparse.Namespace, paper: tuple, splits: dict[str, tuple],
+                 no_compile: str | None) -> list[tuple[str, float, Any, str]]:
+    """The cases beyond the must-show (part "extra", on time left)."""
+    first = next(iter(splits))
+    out: list[tuple[str, float, Any, str]] = [
+        (f"paper-180m --kernel-fusion none {first}", 35,
+         lambda: measure(paper, ["--kernel-fusion", "none"], o)),
+        ("head + loss memory, unfused vs chunked", 30, lambda: head_memory(o)),
+        ("add + RMSNorm, triton vs torch", 20, lambda: triton_op("norm", o)),
+        ("RoPE, triton vs torch ops", 20, lambda: triton_op("rope", o)),
+        ("SwiGLU gate, triton vs torch ops", 20, lambda: triton_op("swiglu", o))]
+    out += [(f"paper-180m --compile {m}", 90 if not i else 80, no_compile or (
+        lambda s=s: measure(s, ["--compile"], o))) for i, (m, s) in enumerate(splits.items())]
     for width in ("1.3b-width", "7b-width"):
         for ckpt in ([], ["--checkpoint-activations"]):
             shape = (TINY if o.dry_run else FULL)[width]
             out.append((f"{width}{' ckpt' if ckpt else ''}", 20, lambda w=shape, c=ckpt: measure(w, c, o)))
     out.append(("async save (paper-180m shape)", 60, lambda: async_save(paper, o)))
-    out.append((f"paper-180m --no-triton-kernels {paper[6]}x{paper[7]}", 50,
-                lambda: measure(paper, ["--no-triton-kernels"], o)))
-    return out
+    return [(name, est, fn, "extra") for name, est, fn in out]
 
 
 def head_memory(o: argparse.Namespace) -> dict[str, Any]:
@@ -315,8 +311,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no case whose estimate passes it (default 420; dry run 3600)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="one call's seconds: each must-show part's planned sum must fit it, and no case "
+                   "starts whose estimate would pass it (default 300)")
+    p.add_argument("--part", choices=(*PARTS, "all"), default=None,
+                   help="which call (benchmarks/suite_plan.py; default 1, dry run all)")
+    p.add_argument("--plan", action="store_true", help="print the planned schedule and stop (exit 1: a "
+                   "must-show part's sum exceeds --budget-s)")
     p.add_argument("--out", default="gpu_suite.json")
     p.add_argument("--resume", action="store_true", help="keep the rows of a --out a died run left")
     p.add_argument("--inject-failure", metavar="CASE", help="make CASE raise (shows the suite goes on)")
@@ -328,14 +329,19 @@ def main() -> None:
     o = p.parse_args()
     if o.dry_run:
         o.steps, o.warmup, o.peak_tflops = 2, 1, o.peak_tflops or 1.0
-    o.budget_s = o.budget_s or (3600.0 if o.dry_run else 420.0)
+    o.part = o.part or ("all" if o.dry_run else "1")
     if o.case:
         return child(o)
     begun = time.perf_counter()
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 141.0
+    plan, fits = gpu_schedule(o, cases, FULL["paper-180m"], memory)  # the GPU's, in the dry run too
+    print(plan)
+    if o.plan or not fits:
+        return 0 if fits else 1
     o.recommended_micro = planned_micro((TINY if o.dry_run else FULL)["paper-180m"], memory)
-    todo = cases(o)
-    estimate = {name: (1.0 if o.dry_run else est) for name, est, _ in todo}
+    todo = [c for c in cases(o) if o.part in ("all", c[3])]
+    run_budget = 3600.0 if o.dry_run else o.budget_s  # the dry run's own wall on CPU
+    estimate = {name: (1.0 if o.dry_run else est) for name, est, _, _ in todo}
     meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "dry_run": o.dry_run, "shapes": FULL, "recommended_micro": o.recommended_micro,
             "budget_s": o.budget_s}
@@ -346,12 +352,12 @@ def main() -> None:
         def run(_rows: list) -> dict[str, Any]:
             if isinstance(fn, str):  # skipped here (no compiler, no CUDA): no process started
                 return {"skipped": fn}
-            left = o.budget_s - (time.perf_counter() - begun)
+            left = run_budget - (time.perf_counter() - begun)
             return in_fresh_process([*base, "--case", name, f"--case-timeout={left:.0f}"], left)
         return run
 
-    result = run_cases([(name, spawn(name, fn)) for name, _, fn in todo], o.out, meta, resume=o.resume,
-                       fail=o.inject_failure, budget_s=o.budget_s, estimate=estimate.__getitem__)
+    result = run_cases([(name, spawn(name, fn)) for name, _, fn, _ in todo], o.out, meta, resume=o.resume,
+                       fail=o.inject_failure, budget_s=run_budget, estimate=estimate.__getitem__)
     derive(result["rows"])
     result["suite_wall_s"] = time.perf_counter() - begun
     write_json(o.out, result)
@@ -367,7 +373,7 @@ def child(o: argparse.Namespace) -> None:
     import json
     import tempfile
 
-    fn = next(fn for name, _, fn in cases(o) if name == o.case)
+    fn = next(fn for name, _, fn, _ in cases(o) if name == o.case)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-case-") as work:
         o.workdir = work
         try:

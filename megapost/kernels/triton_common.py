@@ -36,17 +36,24 @@ def runs_on(device: torch.device) -> bool:
     return (device.type == "cuda" or interpreted()) and available() is not None
 
 
-def triton_note(device: torch.device, names: list[str], enabled: bool = True) -> str | None:
+def triton_note(device: torch.device, names: list[str], enabled: bool = True,
+                failed: dict[str, str] | None = None) -> str | None:
     """The start-up line of the ``--kernel-fusion`` fusions ``names`` (of "norm", "rope", "swiglu") that
-    have a Triton kernel, on ``device`` (``enabled`` False: ``--no-triton-kernels``); None without any."""
+    have a Triton kernel, on ``device`` (``enabled`` False: ``--no-triton-kernels``; ``failed``: the
+    fusions whose kernel failed its start-up check, ``triton_check.self_check``); None without any."""
     if not names:
         return None
     flag = f"--kernel-fusion {', '.join(names)}"
     if not enabled:
         return f"{flag}: torch ops on {device.type} (--no-triton-kernels)"
     if runs_on(device):
-        return (f"{flag}: Triton kernels on {device.type} (triton {available()}; under auto only when not "
-                "fp32: not bit-identical)")
+        failed = {n: e for n, e in (failed or {}).items() if n in names}
+        good = [n for n in names if n not in failed]
+        parts = [f"--kernel-fusion {', '.join(good)}: Triton kernels on {device.type} (triton {available()}; "
+                 "under auto only when not fp32: not bit-identical)"] if good else []
+        parts += [f"--kernel-fusion {n}: torch path on {device.type}, its Triton kernel {e} at the start-up "
+                  "check" for n, e in failed.items()]
+        return "; ".join(parts)
     return (f"{flag}: triton does not import, so on {device.type} the residual add stays apart from torch's "
             "(or apex's) fused RMSNorm, and RoPE and the SwiGLU gate run as torch ops")
 

@@ -21,15 +21,19 @@ from torch import nn
 
 FUSIONS = ("rope", "qkv", "w13", "swiglu", "grad-accum", "norm", "ce")
 EXACT_IN_FP32 = frozenset({"rope", "swiglu", "grad-accum", "norm"})
+TRITON_FUSIONS = ("norm", "rope", "swiglu")  # those with a Triton kernel (megapost.kernels.triton_*)
 
 
 @dataclass(frozen=True)
 class Fusion:
     """``names`` None: "auto" (module docstring); else exactly these fusions. ``triton`` False
-    (``--no-triton-kernels``): no Triton kernel, the fusions' torch paths."""
+    (``--no-triton-kernels``): no Triton kernel, the fusions' torch paths; ``triton_off``: those
+    fusions' torch paths (their kernels failed the start-up check)."""
 
     names: frozenset[str] | None = None
     triton: bool = True
+    triton_off: frozenset[str] = frozenset()  # fusions whose Triton kernel failed its start-up check
+
 
     def on(self, name: str, dtype: torch.dtype | None = None, exact: bool | None = None) -> bool:
         """Whether fusion ``name`` runs for activations of ``dtype``; ``exact`` False: this
@@ -41,8 +45,8 @@ class Fusion:
 
     def triton_on(self, name: str, dtype: torch.dtype | None = None) -> bool:
         """Whether fusion ``name`` runs as its Triton kernel where one runs (not bit-identical: under
-        "auto" not in fp32)."""
-        return self.triton and self.on(name, dtype, exact=False)
+        "auto" not in fp32; not one of ``triton_off``, megapost.kernels.triton_check's failures)."""
+        return self.triton and name not in self.triton_off and self.on(name, dtype, exact=False)
 
     def __str__(self) -> str:
         return "auto" if self.names is None else ",".join(sorted(self.names)) or "none"

@@ -6,6 +6,7 @@ and engine with megapost's hooks and checkpoint safety, writers and the memory r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,13 +26,14 @@ from megapost.config.resolved import BatchConfig, Config, DataConfig, OptimizerC
 from megapost.data import build_data_iterator
 from megapost.data.blend import build_datasets
 from megapost.ds_adapter.deepspeed_engine import DeepSpeedEngine
-from megapost.kernels import triton_note
+from megapost.kernels import triton_check, triton_note
+from megapost.kernels.triton_common import runs_on
 from megapost.metrics.monitor import Monitor, wandb_settings
 from megapost.metrics.peak_flops import resolve_peak
 from megapost.metrics.tensor_memory import LiveTensorMemory
 from megapost.metrics.throughput import PeakMemory
 from megapost.model.config import ModelConfig
-from megapost.model.fusion import Fusion, parse_fusion, set_kernel_fusion
+from megapost.model.fusion import TRITON_FUSIONS, Fusion, parse_fusion, set_kernel_fusion
 from megapost.native import build as native
 from megapost.native.engine import NativeEngine
 from megapost.optim import hooks as optim_hooks
@@ -128,6 +130,19 @@ def kernel_fusion(run: RuntimeConfig) -> Fusion:
     return parse_fusion(run.kernel_fusion, triton=run.triton_kernels)
 
 
+def checked_fusion(fusion: Fusion, device: torch.device, dtype: torch.dtype, cfg: ModelConfig,
+                   tp: int) -> tuple[Fusion, dict[str, str]]:
+    """``fusion`` with the fusions whose Triton kernels fail ``triton_check.self_check`` on ``device`` (at
+    ``dtype`` and this rank's widths) on their torch paths, and those failures."""
+    names = [n for n in TRITON_FUSIONS if fusion.triton_on(n, dtype)]
+    if not names or not runs_on(device):
+        return fusion, {}
+    widths = triton_check.Widths(cfg.hidden_size, cfg.num_attention_heads // tp, max(1, cfg.kv_groups // tp),
+                                 cfg.head_dim, cfg.ffn_hidden_size // tp)
+    failed = triton_check.self_check(device, names, dtype, widths)
+    return dataclasses.replace(fusion, triton_off=frozenset(failed)), failed
+
+
 def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: DataSource | None = None,
           faults: FaultInjector = NO_FAULTS, progress: interrupts.Progress | None = None) -> Trainer:
     """The Trainer of ``prep`` (``data``: batches other than --data-path's, e.g. a benchmark's;
@@ -159,13 +174,14 @@ def build(prep: Prepared, *, tracker: LiveTensorMemory | None = None, data: Data
         model, loss_fn = build_model(model_cfg, pstate, checkpoint_activations=run.checkpoint_activations,
                                      checkpoint_num_layers=run.checkpoint_num_layers,
                                      z_loss=config.optimizer.z_loss)
-    fusion = kernel_fusion(run)
+    fusion, failed = checked_fusion(kernel_fusion(run), device, torch.bfloat16 if config.engine.bf16
+                                    else torch.float32, model_cfg, par.tensor_model_parallel_size)
     set_kernel_fusion(model, fusion)
     if (fusion.names and "ce" in fusion.names and pstate.is_logging_rank
             and (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1)):
         print("--kernel-fusion ce: the unfused head and loss under tensor or pipeline parallelism (the "
               "chunked head + cross-entropy runs at TP 1, PP 1; docs/kernels.md)")
-    note = triton_note(device, [n for n in ("norm", "rope", "swiglu") if fusion.on(n)], fusion.triton)
+    note = triton_note(device, [n for n in TRITON_FUSIONS if fusion.on(n)], fusion.triton, failed)
     if device.type != "cpu" and note and pstate.is_logging_rank:  # the paths chosen there
         print(note)
     if run.compile:
