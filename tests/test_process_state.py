@@ -75,3 +75,12 @@ def test_the_parallel_layout_is_an_instance_passed_down() -> None:
     first, second = initialize_parallel(1, 1, True), initialize_parallel(1, 1, False)
     assert first is not second and not first.sequence_parallel  # one tensor-parallel rank: a no-op
     assert not [v for v in vars(state_module).values() if isinstance(v, ParallelState)]
+
+
+def test_the_interrupt_line_before_any_checkpoint_says_the_run_starts_over() -> None:
+    progress = Progress(save="/ckpt", run_name=None, state=type("S", (), {"iteration": 3})(),
+                        checkpoint_of=lambda save: None)
+    line = progress.interrupted_line()
+    assert line.startswith("interrupted at iteration 3; last complete checkpoint: none; nothing saved "
+                           "(Ctrl-C saves only with --exit-signal-handler); start over with: ")
+    assert "resume with" not in line

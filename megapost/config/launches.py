@@ -62,11 +62,13 @@ def previous_launches(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def reconcile_resume(args: argparse.Namespace) -> list[str]:
-    """Resuming (``--load`` set): untyped data flags take the saved values (typed ones are checked
-    against the tag's data identity later). Changed schedule flags are noted. Returns the start-up notes."""
+    """A run with a launch history (``--load``'s args.json, else the TensorBoard directory's, e.g. a
+    ``--run-name`` interrupted before its first checkpoint): untyped data flags take the recorded values
+    (typed ones are checked against the tag's data identity later). Resuming (``--load`` set), changed
+    schedule flags are noted. Returns the start-up notes."""
     args.launch_history = previous_launches(args)
     args.launch_data = data_settings(args)
-    if not args.load or not args.launch_history:
+    if not args.launch_history:
         return []
     last = args.launch_history[-1]
     saved, notes = last.get("data", {}), []
@@ -74,6 +76,8 @@ def reconcile_resume(args: argparse.Namespace) -> list[str]:
         if key in saved and key not in args.explicit:
             setattr(args, key, saved[key])
     args.launch_data = data_settings(args)
+    if not args.load:
+        return ["no checkpoint in this run yet: it starts over from iteration 0 with the data it recorded"]
     schedule = [f"{_flag(k)} {last['schedule'][k]} -> {getattr(args, k)}" for k in SCHEDULE_KEYS
                 if k in last.get("schedule", {}) and last["schedule"][k] != getattr(args, k)]
     if schedule:

@@ -106,8 +106,12 @@ class Progress:
 
     def interrupted_line(self) -> str:
         iteration = self.state.iteration if self.state is not None else 0
-        return (f"interrupted at iteration {iteration}; last complete checkpoint: {self.last_checkpoint()}; "
-                f"resume with: {resume_command(self.save, self.run_name, self.runs_dir)}")
+        last, command = self.last_checkpoint(), resume_command(self.save, self.run_name, self.runs_dir)
+        if last.startswith("none"):  # nothing to resume: the same command starts the run over
+            return (f"interrupted at iteration {iteration}; last complete checkpoint: {last}; nothing saved "
+                    f"(Ctrl-C saves only with --exit-signal-handler); start over with: {command}")
+        return (f"interrupted at iteration {iteration}; last complete checkpoint: {last}; "
+                f"resume with: {command}")
 
 
 
