@@ -16,7 +16,8 @@ from dist_utils import free_port
 from launch_utils import REPO, child_env, pretrain, tiny_model_flags
 
 INTERRUPTED = re.compile(
-    r"^interrupted at iteration (\d+); last complete checkpoint: (\S+); resume with: (.+)$", re.M)
+    r"^interrupted at iteration (\d+); last complete checkpoint: (\S+);"
+    r"(?: nothing saved \([^)]*\);)? (?:resume|start over) with: (.+)$", re.M)
 
 
 class Launch:
