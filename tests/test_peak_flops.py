@@ -94,6 +94,22 @@ def test_cpu_measurement_is_cached_per_machine_and_dtype(monkeypatch, tmp_path) 
     assert len(json.loads(cache_file().read_text())) == 2
 
 
+def test_cached_cpu_peak_of_another_torch_or_thread_count_is_not_used(monkeypatch, tmp_path) -> None:
+    """The shared cache holds figures of other setups: only this torch version and thread count's is read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _idle(monkeypatch)
+    calls = []
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", lambda *a: calls.append(1) or 0.25 * len(calls))
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.25
+    monkeypatch.setattr(torch, "__version__", "0.0.1-other")
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.5  # another torch: measured again
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 3)
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.75  # another thread count: measured again
+    assert resolve_peak(0.0, torch.float32, CPU).tflops == 0.75 and len(calls) == 3  # its own entry reused
+    assert len(json.loads(cache_file().read_text())) == 3
+
+
 def test_peak_measured_on_a_busy_cpu_is_refused_and_not_cached(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(peak_flops, "measure_matmul_tflops", lambda *a: 0.01)

@@ -2,9 +2,10 @@
 
 Order: ``--peak-tflops``; else the vendor datasheet table below for a known accelerator (matched by
 ``torch.cuda.get_device_name()``); else a matmul peak measured on this machine (best of several sizes
-and repetitions) and cached per machine and dtype in ``~/.cache/megapost/peak_tflops.json``
-(``--remeasure-peak`` measures again).  A CPU figure measured while other processes kept cores busy
-(the load average before, /proc/stat during the measurement) is refused: not cached, MFU unknown.
+and repetitions) and cached per machine, thread count, torch version and dtype in
+``~/.cache/megapost/peak_tflops.json`` (``--remeasure-peak`` measures again).  A CPU figure measured while
+other processes kept cores busy (the load average before, /proc/stat during the measurement) is refused:
+not cached, MFU unknown.
 
 Table values are dense (no 2:4 sparsity) tensor-core TFLOP/s per device as torch sees it (one MI250X
 GCD is one device: half the module's figure).  ``tf32`` is used for fp32 training when torch lets
@@ -142,9 +143,11 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_key(device: torch.device, precision: str) -> str:
-    """What a measured figure depends on: host, device model, CPU threads, precision."""
+    """What a measured figure depends on: host, device model, CPU threads, precision, torch's version (its
+    CPU matmul kernels change between releases), the method; under any other a figure is stale."""
     threads = f"threads={torch.get_num_threads()}" if device.type == "cpu" else device.type
-    return f"{platform.node()} | {device_name(device)} | {threads} | {precision} | {METHOD}"
+    return (f"{platform.node()} | {device_name(device)} | {threads} | {precision} | "
+            f"torch {torch.__version__} | {METHOD}")
 
 
 def measured_peak(dtype: torch.dtype, device: torch.device, remeasure: bool = False) -> Peak:
